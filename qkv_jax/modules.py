@@ -1,0 +1,382 @@
+"""Flax linen attention modules, from parameter-free to multi-head.
+
+Every module works on an unbatched `[S, D]` input and on any leading batch
+dims `[batch..., S, D]`; `jax.vmap` of `apply` over a batch equals the batched
+`apply`. All of them compute attention with `qkv_jax.dot_product_attention`.
+
+  StaticAttention        Q = K = V = X, nothing to learn (identity W).
+  SelfAttentionV1        raw `W_query`, `W_key`, `W_value` matrices [d_in, d_out].
+  SelfAttention          the same through `nn.Dense` layers (seed 002's v2).
+  LearnedQueryAttention  one learned query vector reads a sequence (seed 000).
+  MultiHeadAttention     N heads, grouped K/V heads, output projection W_O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qkv_jax.attention import dot_product_attention
+
+Array = jax.Array
+Dtype = Any
+Initializer = Any
+
+__all__ = [
+    "StaticAttention",
+    "SelfAttentionV1",
+    "SelfAttention",
+    "LearnedQueryAttention",
+    "MultiHeadAttention",
+    "torch_linear_init",
+]
+
+# torch.nn.Linear's default: uniform in +-1/sqrt(fan_in). The seeds' modules are
+# written in PyTorch, so their learned projections start from this.
+torch_linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _check_positive(owner: str, **sizes: Any) -> None:
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+def _check_dropout(owner: str, rate: float) -> None:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{owner}: dropout_rate must be in [0, 1), got {rate!r}")
+
+
+def _check_inputs(owner: str, name: str, x: Array, min_rank: int = 2) -> None:
+    if x.ndim < min_rank:
+        raise ValueError(
+            f"{owner}: {name} must have shape [batch..., length, features], got {x.shape}"
+        )
+
+
+def _dropout(module: nn.Module, rate: float, deterministic: bool) -> dict:
+    """`dropout_rate` and `dropout_rng` arguments: no dropout when deterministic."""
+    if deterministic or rate == 0.0:
+        return {"dropout_rate": 0.0, "dropout_rng": None}
+    return {"dropout_rate": rate, "dropout_rng": module.make_rng("dropout")}
+
+
+def _single_head(
+    module: nn.Module,
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Array | None,
+    deterministic: bool,
+) -> tuple[Array, Array]:
+    """One attention head on `[..., T, H]`, `[..., S, H]`, `[..., S, Hv]`.
+
+    `mask` broadcasts to `[..., T, S]`. Returns `[..., T, Hv]` and the attention
+    weights `[..., T, S]`. Reads `is_causal`, `scale`, `dropout_rate` and
+    `sow_weights` from `module`.
+    """
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.ndim >= 2:
+            mask = jnp.expand_dims(mask, -3)  # (..., 1, T, S): one head
+    output, weights = dot_product_attention(
+        query[..., None, :],  # (..., T, 1, H)
+        key[..., None, :],  # (..., S, 1, H)
+        value[..., None, :],  # (..., S, 1, Hv)
+        mask=mask,
+        is_causal=module.is_causal,
+        scale=module.scale,
+        **_dropout(module, module.dropout_rate, deterministic),
+        return_weights=True,
+    )
+    weights = weights[..., 0, :, :]  # (..., T, S)
+    if module.sow_weights:
+        module.sow("intermediates", "attention_weights", weights)
+    return output[..., 0, :], weights  # (..., T, Hv), (..., T, S)
+
+
+class StaticAttention(nn.Module):
+    """Parameter-free attention: Q = K = V = X, i.e. every W is the identity.
+
+    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True,
+    return_weights=False)`: inputs `[batch..., T, D]` and `[batch..., S, D]`
+    (self-attention when `inputs_kv` is None), output `[batch..., T, D]`, and
+    the attention weights `[batch..., T, S]` when `return_weights`. `mask`
+    broadcasts to `[batch..., T, S]`. `scale` defaults to `1/sqrt(D)`; set it
+    to 1.0 for the unscaled `softmax(X X^T) X`.
+    """
+
+    is_causal: bool = False
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    sow_weights: bool = False
+
+    def __post_init__(self):
+        _check_dropout("StaticAttention", self.dropout_rate)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, return_weights=False):
+        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+        _check_inputs("StaticAttention", "inputs_q", inputs_q)
+        _check_inputs("StaticAttention", "inputs_kv", inputs_kv)
+        output, weights = _single_head(self, inputs_q, inputs_kv, inputs_kv, mask, deterministic)
+        return (output, weights) if return_weights else output
+
+
+class SelfAttentionV1(nn.Module):
+    """Self-attention with raw learned matrices (seed 002's `SelfAttention_v1`).
+
+    Parameters `W_query`, `W_key`, `W_value` of shape `[d_in, d_out]`, drawn
+    uniform in [0, 1) as `torch.rand` does. `__call__(inputs, mask=None,
+    deterministic=True, return_weights=False)`: `[batch..., S, d_in]` to
+    `[batch..., S, d_out]` (and weights `[batch..., S, S]`).
+    """
+
+    d_out: int
+    is_causal: bool = False
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    sow_weights: bool = False
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = nn.initializers.uniform(scale=1.0)
+
+    def __post_init__(self):
+        _check_positive("SelfAttentionV1", d_out=self.d_out)
+        _check_dropout("SelfAttentionV1", self.dropout_rate)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, inputs, mask=None, deterministic=True, return_weights=False):
+        _check_inputs("SelfAttentionV1", "inputs", inputs)
+        shape = (inputs.shape[-1], self.d_out)  # (d_in, d_out)
+        W_query = self.param("W_query", self.kernel_init, shape, self.param_dtype)
+        W_key = self.param("W_key", self.kernel_init, shape, self.param_dtype)
+        W_value = self.param("W_value", self.kernel_init, shape, self.param_dtype)
+        inputs, W_query, W_key, W_value = nn.dtypes.promote_dtype(
+            inputs, W_query, W_key, W_value, dtype=self.dtype
+        )
+        query = inputs @ W_query  # (..., S, d_out)
+        key = inputs @ W_key  # (..., S, d_out)
+        value = inputs @ W_value  # (..., S, d_out)
+        output, weights = _single_head(self, query, key, value, mask, deterministic)
+        return (output, weights) if return_weights else output
+
+
+class SelfAttention(nn.Module):
+    """Self-attention through `nn.Dense` projections (seed 002's `SelfAttention_v2`).
+
+    Sub-modules `W_query`, `W_key`, `W_value` are `nn.Dense(d_out)` (kernel
+    `[d_in, d_out]`, the transpose of `torch.nn.Linear.weight`), initialised
+    like `torch.nn.Linear`. `__call__` as for `SelfAttentionV1`.
+    """
+
+    d_out: int
+    qkv_bias: bool = False
+    is_causal: bool = False
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    sow_weights: bool = False
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = torch_linear_init
+
+    def __post_init__(self):
+        _check_positive("SelfAttention", d_out=self.d_out)
+        _check_dropout("SelfAttention", self.dropout_rate)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, inputs, mask=None, deterministic=True, return_weights=False):
+        _check_inputs("SelfAttention", "inputs", inputs)
+
+        def dense(name):
+            return nn.Dense(
+                self.d_out,
+                use_bias=self.qkv_bias,
+                kernel_init=self.kernel_init,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=name,
+            )
+
+        query = dense("W_query")(inputs)  # (..., S, d_out)
+        key = dense("W_key")(inputs)  # (..., S, d_out)
+        value = dense("W_value")(inputs)  # (..., S, d_out)
+        output, weights = _single_head(self, query, key, value, mask, deterministic)
+        return (output, weights) if return_weights else output
+
+
+class LearnedQueryAttention(nn.Module):
+    """One learned query vector attends over a sequence (seed 000, section 4.1).
+
+    Parameters: `query` `[D]` (standard normal, the seed's `query_vec`) and
+    bias-free `nn.Dense` layers `W_query` (D -> d_k), `W_key` (D -> d_k) and
+    `W_value` (D -> d_v). `__call__(inputs, mask=None, deterministic=True)`
+    maps `[batch..., S, D]` to `(output [batch..., d_v], weights [batch..., S])`;
+    `mask` is a key mask broadcastable to `[batch..., S]`.
+    """
+
+    d_k: int
+    d_v: int
+    is_causal: bool = False  # kept for the shared head code; one query has no "future"
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    sow_weights: bool = False
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = torch_linear_init
+    query_init: Initializer = nn.initializers.normal(stddev=1.0)
+
+    def __post_init__(self):
+        _check_positive("LearnedQueryAttention", d_k=self.d_k, d_v=self.d_v)
+        _check_dropout("LearnedQueryAttention", self.dropout_rate)
+        if self.is_causal:
+            raise ValueError("LearnedQueryAttention: is_causal=True has no meaning for one query")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, inputs, mask=None, deterministic=True):
+        _check_inputs("LearnedQueryAttention", "inputs", inputs)
+
+        def dense(features, name):
+            return nn.Dense(
+                features,
+                use_bias=False,
+                kernel_init=self.kernel_init,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=name,
+            )
+
+        query_vector = self.param("query", self.query_init, (inputs.shape[-1],), self.param_dtype)
+        query = dense(self.d_k, "W_query")(query_vector)  # (d_k,)
+        key = dense(self.d_k, "W_key")(inputs)  # (..., S, d_k)
+        value = dense(self.d_v, "W_value")(inputs)  # (..., S, d_v)
+        query = jnp.broadcast_to(query, (*key.shape[:-2], 1, self.d_k))  # (..., 1, d_k)
+        if mask is not None:
+            mask = jnp.asarray(mask)[..., None, :]  # (..., 1, S)
+        output, weights = _single_head(self, query, key, value, mask, deterministic)
+        return output[..., 0, :], weights[..., 0, :]  # (..., d_v), (..., S)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with learned W_Q, W_K, W_V per head and W_O.
+
+    Parameter layout is `flax.linen.MultiHeadDotProductAttention`'s:
+      query kernel `[D, N, H]`, key and value kernels `[D, K, H]` / `[D, K, Hv]`,
+      out kernel `[N, Hv, D_out]` (biases `[N, H]`, `[K, H]`, `[K, Hv]`, `[D_out]`).
+
+    Attributes:
+      num_heads: N, query heads.
+      head_dim: H; defaults to `D // num_heads` (D must then divide evenly).
+      num_kv_heads: K key/value heads, dividing N (default N; 1 = multi-query).
+      v_head_dim: Hv; defaults to `head_dim`.
+      out_features: D_out; defaults to D.
+      use_bias: biases on all four projections.
+      is_causal: apply a causal mask (queries are the last T of S positions).
+      dropout_rate: dropout on the attention weights when not deterministic
+        (uses the 'dropout' rng stream).
+      scale: logits scale, default `1/sqrt(head_dim)`.
+      sow_weights: sow attention weights `[batch..., N, T, S]` into
+        `intermediates/attention_weights`.
+
+    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True)`:
+    `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]` (defaults to
+    `inputs_q`), `mask` boolean broadcastable to `[batch..., N, T, S]`;
+    returns `[batch..., T, D_out]`.
+    """
+
+    num_heads: int
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    v_head_dim: int | None = None
+    out_features: int | None = None
+    use_bias: bool = True
+    is_causal: bool = False
+    dropout_rate: float = 0.0
+    scale: float | None = None
+    sow_weights: bool = False
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+
+    def __post_init__(self):
+        _check_positive(
+            "MultiHeadAttention",
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_kv_heads=self.num_kv_heads,
+            v_head_dim=self.v_head_dim,
+            out_features=self.out_features,
+        )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"MultiHeadAttention: num_kv_heads={self.num_kv_heads} must divide "
+                f"num_heads={self.num_heads}"
+            )
+        _check_dropout("MultiHeadAttention", self.dropout_rate)
+        super().__post_init__()
+
+    def resolved_head_dim(self, features: int) -> int:
+        """Head depth H for input width `features`."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if features % self.num_heads:
+            raise ValueError(
+                f"MultiHeadAttention: num_heads={self.num_heads} does not divide the input "
+                f"width {features}; set head_dim explicitly"
+            )
+        return features // self.num_heads
+
+    def _projection(self, features: tuple[int, ...], name: str, axis: Any = -1) -> nn.DenseGeneral:
+        return nn.DenseGeneral(
+            features,
+            axis=axis,
+            use_bias=self.use_bias,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True):
+        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+        _check_inputs("MultiHeadAttention", "inputs_q", inputs_q)
+        _check_inputs("MultiHeadAttention", "inputs_kv", inputs_kv)
+        if inputs_q.shape[:-2] != inputs_kv.shape[:-2]:
+            raise ValueError(
+                f"MultiHeadAttention: batch dims of inputs_q {inputs_q.shape} and inputs_kv "
+                f"{inputs_kv.shape} differ"
+            )
+        features = inputs_q.shape[-1]
+        head_dim = self.resolved_head_dim(features)
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        v_head_dim = self.v_head_dim or head_dim
+
+        query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
+        key = self._projection((num_kv_heads, head_dim), "key")(inputs_kv)  # (..., S, K, H)
+        value = self._projection((num_kv_heads, v_head_dim), "value")(inputs_kv)  # (..., S, K, Hv)
+        output, weights = dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            **_dropout(self, self.dropout_rate, deterministic),
+            return_weights=True,
+        )  # (..., T, N, Hv), (..., N, T, S)
+        if self.sow_weights:
+            self.sow("intermediates", "attention_weights", weights)
+        out_features = self.out_features or features
+        return self._projection(out_features, "out", axis=(-2, -1))(output)  # (..., T, D_out)

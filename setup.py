@@ -1,0 +1,30 @@
+"""Packaging for qkv_jax: `pip install -e .` (library), `.[test]` (tests), `.[parity]` (torch)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="qkv_jax",
+    version="0.1.0",
+    description="Learned attention (Q, K, V and O projections) in JAX and Flax, with experiments",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["qkv_jax", "qkv_jax.*", "experiments", "configs"]),
+    package_data={"qkv_jax": ["py.typed"]},
+    install_requires=[
+        "jax>=0.4.35",
+        "flax>=0.10",
+        "optax>=0.2.3",
+        "chex>=0.1.87",
+        "absl-py>=2.0",
+        "ml_collections>=0.1.1",
+        "numpy>=1.26",
+        "orbax-checkpoint>=0.9",
+        "matplotlib>=3.7",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=7.4", "pytest-xdist>=3.5"],
+        "parity": ["torch>=2.1"],
+    },
+)
