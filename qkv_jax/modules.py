@@ -78,7 +78,7 @@ def _single_head(
 
     `mask` broadcasts to `[..., T, S]`. Returns `[..., T, Hv]` and the attention
     weights `[..., T, S]`. Reads `is_causal`, `scale`, `dropout_rate` and
-    `sow_weights` from `module`.
+    `sow_weights` from `module`; sown weights keep a head axis, `[..., 1, T, S]`.
     """
     if mask is not None:
         mask = jnp.asarray(mask)
@@ -94,10 +94,9 @@ def _single_head(
         **_dropout(module, module.dropout_rate, deterministic),
         return_weights=True,
     )
-    weights = weights[..., 0, :, :]  # (..., T, S)
-    if module.sow_weights:
-        module.sow("intermediates", "attention_weights", weights)
-    return output[..., 0, :], weights  # (..., T, Hv), (..., T, S)
+    if module.sow_weights:  # with the head axis, as MultiHeadAttention sows them
+        module.sow("intermediates", "attention_weights", weights)  # (..., 1, T, S)
+    return output[..., 0, :], weights[..., 0, :, :]  # (..., T, Hv), (..., T, S)
 
 
 class StaticAttention(nn.Module):

@@ -101,7 +101,7 @@ def test_sown_attention_weights():
     single = qkv_jax.SelfAttention(4, is_causal=True, sow_weights=True)
     _, state = single.apply(single.init(jax.random.PRNGKey(5), X), X, mutable=["intermediates"])
     (weights,) = state["intermediates"]["attention_weights"]
-    chex.assert_shape(weights, (B, S, S))
+    chex.assert_shape(weights, (B, 1, S, S))  # a head axis, like MultiHeadAttention's
     assert_attention_weights(weights, np.asarray(qkv_jax.causal_mask(S)))
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run side by side with their peers, reporting ratios."""

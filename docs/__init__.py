@@ -1,0 +1,1 @@
+"""Generated documentation; `python -m docs.generate --help` rebuilds it."""

@@ -1,0 +1,1 @@
+"""Command-line launchers: thin wrappers around library functions."""

@@ -1,0 +1,64 @@
+r"""Train one experiment: `train_and_evaluate(config, workdir)` from the command line.
+
+  python -m experiments.train --config configs/flag_retrieval.py --workdir runs/flag \
+    [--config.model.d_k=4 ...]
+
+Re-running the same command resumes from the workdir's newest checkpoint.
+"""
+
+from experiments import common
+
+common.use_tcmalloc()
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, optionally with ':variant'.", lock_config=True
+)
+flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, checkpoints, pictures.")
+common.define_common_flags()
+
+
+def describe(summary: dict, workdir: str) -> str:
+    """What the run found, in a few lines."""
+    from qkv_jax.training.workdir import read_metrics
+
+    timings = summary["timings"]
+    lines = [
+        f"{summary['experiment']}: {summary['steps']} steps in {summary['wall_time_s']:.1f} s "
+        f"(compile {timings.get('compile_s', 0):.1f} s, training loop "
+        f"{timings.get('train_loop_s', 0):.2f} s); resumed from step {summary['resumed_from_step']}",
+    ]
+    records = read_metrics(f"{workdir}/metrics.jsonl")
+    if records:
+        shown = records[:: max(1, len(records) // 5)][:5] + records[-1:]
+        losses = ", ".join(f"step {r['step']} {r['loss']:.3g}" for r in shown)
+        lines.append(f"training loss: {losses}")
+    lines.append(f"{'evaluation':28s} {'trained':>10s} {'untrained':>10s}")
+    untrained = summary["untrained"]
+    for name, value in summary.items():
+        if name.startswith("eval_") and isinstance(value, (int, float)):
+            lines.append(f"  {name:26s} {value:10.4g} {untrained[name]:10.4g}")
+    lines.append(f"wrote {workdir}/: config.json metrics.jsonl summary.json checkpoints/ and pictures")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    common.enable_compilation_cache(FLAGS.compilation_cache)
+    from qkv_jax.training import CheckpointMismatchError, ConfigError, train_and_evaluate
+
+    try:
+        summary = train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    except ConfigError as error:
+        common.fail(str(error), code=2)
+    except (FloatingPointError, CheckpointMismatchError) as error:
+        common.fail(str(error))
+    print(describe(summary, FLAGS.workdir))
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,65 @@
+"""Small models built from the attention modules, one per kind of experiment."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from qkv_jax.modules import LearnedQueryAttention, MultiHeadAttention, StaticAttention
+
+__all__ = ["FlagReader", "FLAG_READER_KINDS"]
+
+FLAG_READER_KINDS = ("learned_query", "static", "multihead")
+
+
+class FlagReader(nn.Module):
+    """One attention layer that reads flagged tokens out of a sequence (seed 000).
+
+    Input `[batch..., S, D]`, where the last `num_flags` channels are flags
+    and the rest content; output `[batch..., out_features]`. The attention
+    weights are sown into `intermediates` as `[batch..., N, 1, S]`.
+
+    kind:
+      learned_query: seed 000's model: a learned query vector through W_q, keys
+        and values through W_k, W_v (`LearnedQueryAttention`, one head).
+      static: nothing trainable. The query is the mean token, keys and values
+        are the raw tokens (every W is the identity); the prediction is the
+        blended content, repeated for each flag.
+      multihead: a learned query token read by `MultiHeadAttention` with
+        `num_heads` heads of depth `d_k // num_heads` (value depth too) and W_O.
+    """
+
+    kind: str
+    out_features: int
+    d_k: int = 8
+    num_heads: int = 1
+    num_flags: int = 1
+    scaled: bool = True
+
+    @nn.compact
+    def __call__(self, inputs):
+        scale = None if self.scaled else 1.0
+        if self.kind == "learned_query":
+            output, _ = LearnedQueryAttention(
+                d_k=self.d_k, d_v=self.out_features, scale=scale, sow_weights=True, name="attention"
+            )(inputs)
+            return output  # (..., out_features)
+        if self.kind == "static":
+            query = jnp.mean(inputs, axis=-2, keepdims=True)  # (..., 1, D)
+            blended = StaticAttention(scale=scale, sow_weights=True, name="attention")(query, inputs)
+            content = blended[..., 0, : inputs.shape[-1] - self.num_flags]  # (..., C)
+            return jnp.tile(content, self.num_flags)  # (..., F * C)
+        if self.kind == "multihead":
+            query_token = self.param("query", nn.initializers.normal(1.0), (inputs.shape[-1],))
+            query = jnp.broadcast_to(query_token, (*inputs.shape[:-2], 1, inputs.shape[-1]))
+            head_dim = self.d_k // self.num_heads
+            output = MultiHeadAttention(
+                num_heads=self.num_heads,
+                head_dim=head_dim,
+                out_features=self.out_features,
+                scale=scale,
+                sow_weights=True,
+                name="attention",
+            )(query, inputs)  # (..., 1, out_features)
+            return output[..., 0, :]
+        raise ValueError(f"FlagReader: kind={self.kind!r}; choose one of {', '.join(FLAG_READER_KINDS)}")

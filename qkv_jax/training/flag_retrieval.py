@@ -1,0 +1,143 @@
+"""Seed 000's flag-retrieval experiment as a `Setup`: config -> pure functions."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qkv_jax.models import FLAG_READER_KINDS, FlagReader
+from qkv_jax.tasks.flag import flag_retrieval_batch
+from qkv_jax.training import validate
+from qkv_jax.training.loop import Setup, validate_train_config
+from qkv_jax.training.validate import ConfigError
+
+__all__ = ["build", "validate_config", "attention_weights", "flag_metrics"]
+
+
+def validate_config(config: Any) -> None:
+    validate_train_config(config)
+    validate.require_choice(config, "model.kind", FLAG_READER_KINDS)
+    validate.require_positive_int(
+        config, "model.d_model", "model.d_k", "model.num_heads", "task.seq_len", "task.num_flags"
+    )
+    validate.require_bool(config, "model.scaled")
+    model, task = config["model"], config["task"]
+    if model["kind"] == "multihead":
+        validate.require_divides(config, "model.num_heads", "model.d_k")
+    elif model["num_heads"] != 1:
+        raise ConfigError(
+            f"model.num_heads={model['num_heads']}: model.kind={model['kind']!r} has one head; "
+            "use model.kind='multihead'"
+        )
+    if task["num_flags"] >= model["d_model"]:
+        raise ConfigError(
+            f"task.num_flags={task['num_flags']}: must be below model.d_model={model['d_model']} "
+            "(the flags are channels of the token)"
+        )
+    if task["num_flags"] > task["seq_len"]:
+        raise ConfigError(
+            f"task.num_flags={task['num_flags']}: more flags than positions (task.seq_len="
+            f"{task['seq_len']})"
+        )
+
+
+def attention_weights(intermediates: Any) -> jax.Array:
+    """The reader's sown attention weights `[B, N, 1, S]` as `[B, N, S]`."""
+    (weights,) = intermediates["attention"]["attention_weights"]
+    return weights[..., 0, :]
+
+
+def flag_metrics(predictions, weights, batch, num_flags: int) -> dict[str, jax.Array]:
+    """Metrics of one evaluation batch.
+
+    accuracy: the `num_flags` most attended positions (head-averaged) are
+      exactly the flagged ones; for one flag, the top-attended position is the
+      flagged one (seed 000's check).
+    decode_accuracy: each predicted content slot is nearest (L2) to the content
+      at its flagged position, among all positions.
+    mse: mean squared error against the targets.
+    entropy: mean entropy (nats) of the attention rows, overall and per head.
+    flag_attention: mean attention mass on the flagged positions.
+    """
+    inputs, targets, positions = batch["inputs"], batch["targets"], batch["flag_positions"]
+    batch_size, seq_len, d_model = inputs.shape
+    mean_weights = weights.mean(axis=1)  # (B, S)
+    top = jnp.argsort(-mean_weights, axis=-1)[:, :num_flags]  # (B, F)
+    accuracy = jnp.all(jnp.sort(top, -1) == jnp.sort(positions, -1), axis=-1)
+    content = inputs[..., : d_model - num_flags]  # (B, S, C)
+    slots = predictions.reshape(batch_size, num_flags, -1)  # (B, F, C)
+    distances = jnp.sum((slots[:, :, None, :] - content[:, None, :, :]) ** 2, axis=-1)  # (B, F, S)
+    decoded = jnp.argmin(distances, axis=-1) == positions  # (B, F)
+    entropy = -jnp.sum(jnp.where(weights > 0, weights * jnp.log(weights), 0.0), axis=-1)  # (B, N)
+    flagged = jax.nn.one_hot(positions, seq_len).sum(axis=1)  # (B, S)
+    return {
+        "accuracy": accuracy.mean(),
+        "decode_accuracy": decoded.mean(),
+        "mse": jnp.mean((predictions - targets) ** 2),
+        "entropy": entropy.mean(),
+        "entropy_per_head": entropy.mean(axis=0),  # (N,)
+        "flag_attention": jnp.sum(mean_weights * flagged, axis=-1).mean(),
+    }
+
+
+def build(config: Any) -> Setup:
+    validate_config(config)
+    model_config, task, train = config["model"], config["task"], config["train"]
+    num_flags, seq_len, d_model = task["num_flags"], task["seq_len"], model_config["d_model"]
+    model = FlagReader(
+        kind=model_config["kind"],
+        out_features=num_flags * (d_model - num_flags),
+        d_k=model_config["d_k"],
+        num_heads=model_config["num_heads"],
+        num_flags=num_flags,
+        scaled=model_config["scaled"],
+    )
+
+    def sample(key, batch_size):
+        return flag_retrieval_batch(key, batch_size, seq_len, d_model, num_flags)
+
+    def init(key):
+        return model.init(key, jnp.zeros((1, seq_len, d_model))).get("params", {})
+
+    def loss(params, batch, rng):
+        del rng  # no dropout here
+        predictions = model.apply({"params": params}, batch["inputs"])
+        return jnp.mean((predictions - batch["targets"]) ** 2), {}
+
+    def forward(params, inputs):
+        predictions, state = model.apply({"params": params}, inputs, mutable=["intermediates"])
+        return predictions, attention_weights(state["intermediates"])
+
+    num_plot_examples = config["eval"].get("num_plot_examples", 8)
+
+    def evaluate(params, key):
+        batch = sample(key, config["eval"]["num_examples"])
+        predictions, weights = forward(params, batch["inputs"])
+        examples = {
+            "attention_weights": weights[:num_plot_examples],
+            "flag_positions": batch["flag_positions"][:num_plot_examples],
+        }
+        return flag_metrics(predictions, weights, batch, num_flags), examples
+
+    def report(workdir, stage, examples):
+        from qkv_jax.plots import plot_flag_attention  # matplotlib only when writing pictures
+
+        plot_flag_attention(
+            examples["attention_weights"],
+            examples["flag_positions"],
+            pathlib.Path(workdir) / f"attention_{stage}.png",
+            title=f"{model_config['kind']} attention, {stage} training",
+        )
+        return {}
+
+    return Setup(
+        init=init,
+        sample_batch=lambda key: sample(key, train["batch_size"]),
+        loss=loss,
+        evaluate=evaluate,
+        apply=model.apply,
+        report=report,
+    )

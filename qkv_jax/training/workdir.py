@@ -1,0 +1,168 @@
+"""The files of a run's workdir: config.json, metrics.jsonl, summary.json.
+
+Writes are atomic (temporary file + rename) so a killed run never leaves a
+half-written JSON file; metrics lines are flushed one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from typing import Any, Iterable
+
+from qkv_jax.training.validate import ConfigError
+
+__all__ = [
+    "RESUMABLE_FIELDS",
+    "prepare_workdir",
+    "write_json",
+    "read_metrics",
+    "MetricsWriter",
+    "flatten",
+]
+
+# Fields that may change between a run and its resumption (how long, how often).
+RESUMABLE_FIELDS = (
+    "train.steps",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.overwrite",
+    "train.progress",
+    "eval.",
+)
+# Outputs a run owns; with train.overwrite=True they are moved aside, not deleted.
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "samples.txt")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    if isinstance(tree, dict):
+        flat = {}
+        for key, value in tree.items():
+            flat.update(flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: tree}
+
+
+def write_json(path: str | pathlib.Path, data: Any) -> None:
+    """Writes JSON atomically: a reader sees the old file or the new one."""
+    path = pathlib.Path(path)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)
+
+
+def _differences(saved: dict, current: dict) -> list[str]:
+    saved_flat, current_flat = flatten(saved), flatten(current)
+    changed = []
+    for field in sorted(set(saved_flat) | set(current_flat)):
+        if any(field == f or (f.endswith(".") and field.startswith(f)) for f in RESUMABLE_FIELDS):
+            continue
+        if saved_flat.get(field, "<absent>") != current_flat.get(field, "<absent>"):
+            changed.append(
+                f"{field}={current_flat.get(field, '<absent>')!r} here but "
+                f"{saved_flat.get(field, '<absent>')!r} in the workdir"
+            )
+    return changed
+
+
+def _check_writable(workdir: pathlib.Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=workdir):
+            pass
+    except OSError as error:
+        raise ConfigError(f"workdir={str(workdir)!r}: cannot write there ({error.strerror or error})") from None
+
+
+def prepare_workdir(workdir: str | pathlib.Path, config: dict, overwrite: bool) -> pathlib.Path:
+    """Creates the workdir, or checks that the run in it is this config's.
+
+    A workdir holding another config's run is refused (ConfigError naming the
+    first differing fields) unless `overwrite`, in which case the old outputs
+    are moved to `replaced-<time>/` inside the workdir. Writes config.json.
+    """
+    workdir = pathlib.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"workdir={str(workdir)!r}: exists and is not a directory")
+    _check_writable(workdir)
+    saved_path = workdir / "config.json"
+    if saved_path.exists():
+        try:
+            saved = json.loads(saved_path.read_text())
+        except json.JSONDecodeError:
+            saved = {"<unreadable config.json>": True}
+        changed = _differences(saved, config)
+        if changed and not overwrite:
+            raise ConfigError(
+                f"workdir={str(workdir)!r} holds a run of a different config ("
+                + "; ".join(changed[:3])
+                + "); use another workdir or --config.train.overwrite=True"
+            )
+        if changed:
+            archive = workdir / time.strftime("replaced-%Y%m%d-%H%M%S")
+            archive.mkdir()
+            for name in RUN_OUTPUTS + tuple(p.name for p in workdir.glob("*.png")):
+                if (workdir / name).exists():
+                    shutil.move(str(workdir / name), str(archive / name))
+    write_json(saved_path, config)
+    return workdir
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a killed writer) is dropped."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class MetricsWriter:
+    """Appends one JSON object per line.
+
+    On resume from `start_step` it keeps the earlier records on the `log_every`
+    grid and drops the rest (records a killed run wrote past its checkpoint, and
+    the final-step record of a run that is now extended), so a resumed run's
+    file equals an uninterrupted run's.
+    """
+
+    def __init__(self, path: str | pathlib.Path, start_step: int, log_every: int, enabled: bool = True):
+        self.path = pathlib.Path(path)
+        self.enabled = enabled
+        if not enabled:
+            return
+        kept = [
+            r
+            for r in read_metrics(self.path)
+            if r.get("step", 0) < start_step and r.get("step", 0) % log_every == 0
+        ]
+        self._write_all(kept)
+        self._file = open(self.path, "a")
+
+    def _write_all(self, records: Iterable[dict]) -> None:
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+            for record in records:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(f.name, self.path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()

@@ -1,0 +1,99 @@
+"""The command line: bad input exits non-zero with one line naming field and value."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = "configs/flag_retrieval.py"
+SMALL = [
+    "--config.train.steps=4",
+    "--config.train.log_every=2",
+    "--config.train.checkpoint_every=2",
+    "--config.eval.num_examples=16",
+    "--compilation_cache=",
+]
+
+
+def run_cli(*args, module="experiments.train"):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+BAD_COMMANDS = [
+    ("unknown field", ["--config.model.nmu_heads=4"], ["--config.model.nmu_heads", "did you mean num_heads"]),
+    ("wrong type", ["--config.train.steps=abc"], ["--config.train.steps=abc"]),
+    ("non-positive size", ["--config.model.d_k=0"], ["model.d_k=0", "positive"]),
+    ("negative steps", ["--config.train.steps=-5"], ["train.steps=-5"]),
+    ("heads not dividing", ["--config.model.kind=multihead", "--config.model.num_heads=3"],
+     ["model.num_heads=3 does not divide model.d_k=8"]),
+    ("unknown kind", ["--config.model.kind=lstm"], ["model.kind='lstm'", "learned_query"]),
+    ("unknown task", ["--config.task.name=sorting"], ["task.name='sorting'"]),
+    ("unknown optimizer", ["--config.train.optimizer=lion"], ["train.optimizer='lion'"]),
+]
+
+
+@pytest.mark.parametrize("name,args,expected", BAD_COMMANDS, ids=[c[0] for c in BAD_COMMANDS])
+def test_bad_command_lines(tmp_path, name, args, expected):
+    result = run_cli("--config", CONFIG, "--workdir", str(tmp_path / "w"), *args)
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1, result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert not (tmp_path / "w" / "checkpoints").exists()  # failed before any work
+
+
+def test_unknown_variant_and_missing_workdir(tmp_path):
+    result = run_cli("--config", f"{CONFIG}:nope", "--workdir", str(tmp_path))
+    assert result.returncode != 0 and len(error_lines(result)) == 1
+    assert "nope" in result.stderr
+    result = run_cli("--config", CONFIG)
+    assert result.returncode != 0 and error_lines(result) == ["error: --workdir is required"]
+
+
+def test_unwritable_workdir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_cli("--config", CONFIG, "--workdir", str(blocker / "sub"))
+    assert result.returncode != 0
+    (line,) = error_lines(result)
+    assert f"workdir='{blocker / 'sub'}'" in line
+
+
+@pytest.mark.slow
+def test_run_then_refuse_a_different_config_in_the_same_workdir(tmp_path):
+    ok = run_cli("--config", CONFIG, "--workdir", str(tmp_path), *SMALL)
+    assert ok.returncode == 0, ok.stderr
+    assert "eval_accuracy" in ok.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4
+
+    refused = run_cli("--config", CONFIG, "--workdir", str(tmp_path), *SMALL, "--config.model.d_k=4")
+    assert refused.returncode != 0
+    (line,) = error_lines(refused)
+    assert "model.d_k=4 here but 8 in the workdir" in line and "overwrite" in line
+
+    replaced = run_cli(
+        "--config", CONFIG, "--workdir", str(tmp_path), *SMALL,
+        "--config.model.d_k=4", "--config.train.overwrite=True",
+    )
+    assert replaced.returncode == 0, replaced.stderr
+    (archive,) = tmp_path.glob("replaced-*")
+    assert json.loads((archive / "config.json").read_text())["model"]["d_k"] == 8
+    assert json.loads((tmp_path / "config.json").read_text())["model"]["d_k"] == 4
