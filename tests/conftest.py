@@ -8,9 +8,6 @@ import pytest
 DATA = pathlib.Path(__file__).parent / "data"
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end runs (subprocesses, training)")
-
 
 @pytest.fixture(scope="session")
 def seed002():

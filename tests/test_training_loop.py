@@ -104,8 +104,8 @@ def test_train_chunk_compiles_once():
     state = init_train_state(setup, make_optimizer(config["train"]), seed_keys(0)["init"])
     chunk = jax.jit(chex.assert_max_traces(make_train_chunk(setup, 5), n=1))
     data_key = seed_keys(0)["data"]
-    state, losses = chunk(state, data_key)
-    state, losses = chunk(state, data_key)
+    state, losses = chunk(state, data_key, setup.data)
+    state, losses = chunk(state, data_key, setup.data)
     assert losses.shape == (5,) and int(state.step) == 10
 
 
@@ -118,9 +118,9 @@ def test_batches_depend_only_on_seed_and_step():
     data_key = seed_keys(0)["data"]
     ten = jax.jit(make_train_chunk(setup, 10))
     five = jax.jit(make_train_chunk(setup, 5))
-    one_go, losses_10 = ten(state, data_key)
-    half, losses_a = five(state, data_key)
-    two_halves, losses_b = five(half, data_key)
+    one_go, losses_10 = ten(state, data_key, setup.data)
+    half, losses_a = five(state, data_key, setup.data)
+    two_halves, losses_b = five(half, data_key, setup.data)
     np.testing.assert_array_equal(losses_10, np.concatenate([losses_a, losses_b]))
     jax.tree.map(np.testing.assert_array_equal, one_go.params, two_halves.params)
 

@@ -113,7 +113,8 @@ def build(config: Any) -> Setup:
 
     num_plot_examples = config["eval"].get("num_plot_examples", 8)
 
-    def evaluate(params, key):
+    def evaluate(params, key, data):
+        del data  # the task is generated from the key alone
         batch = sample(key, config["eval"]["num_examples"])
         predictions, weights = forward(params, batch["inputs"])
         examples = {
@@ -135,7 +136,7 @@ def build(config: Any) -> Setup:
 
     return Setup(
         init=init,
-        sample_batch=lambda key: sample(key, train["batch_size"]),
+        sample_batch=lambda key, data: sample(key, train["batch_size"]),
         loss=loss,
         evaluate=evaluate,
         apply=model.apply,

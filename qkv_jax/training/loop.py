@@ -50,24 +50,28 @@ class Setup:
 
     Attributes:
       init: `init(key) -> params`.
-      sample_batch: `sample_batch(key) -> batch` (the training batch size).
+      sample_batch: `sample_batch(key, data) -> batch` (the training batch size).
       loss: `loss(params, batch, rng) -> (scalar loss, aux dict)`; `rng` is for
         dropout.
-      evaluate: `evaluate(params, key) -> (metrics, examples)` on fresh data:
+      evaluate: `evaluate(params, key, data) -> (metrics, examples)` on fresh data:
         a dict of scalar (or small array) metrics, and a pytree of per-example
         outputs for the report.
       report: optional host-side `report(workdir, stage, examples) -> dict`,
         called with stage "before" (the untrained model's examples) and
         "after"; writes pictures and returns extra summary entries.
       apply: the model's `apply`, kept on the TrainState for users.
+      data: a pytree of arrays the functions above read (a text corpus, say),
+        passed to them as an argument so that it is never baked into the
+        compiled program as a constant.
     """
 
     init: Callable[[jax.Array], Params]
-    sample_batch: Callable[[jax.Array], Batch]
+    sample_batch: Callable[[jax.Array, Any], Batch]
     loss: Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict]]
-    evaluate: Callable[[Params, jax.Array], tuple[dict, Any]]
+    evaluate: Callable[[Params, jax.Array, Any], tuple[dict, Any]]
     apply: Callable[..., Any]
     report: Callable[..., dict] | None = None
+    data: Any = dataclasses.field(default_factory=dict)
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -126,20 +130,20 @@ def init_train_state(setup: Setup, tx: optax.GradientTransformation, init_key: j
     return TrainState.create(apply_fn=setup.apply, params=setup.init(init_key), tx=tx)
 
 
-def make_train_chunk(setup: Setup, length: int) -> Callable[[TrainState, jax.Array], tuple]:
-    """`train_chunk(state, data_key) -> (state, losses [length])`: `length` steps.
+def make_train_chunk(setup: Setup, length: int) -> Callable[[TrainState, jax.Array, Any], tuple]:
+    """`train_chunk(state, data_key, data) -> (state, losses [length])`: `length` steps.
 
-    Step s trains on `sample_batch(split(fold_in(data_key, s))[0])`; dropout
+    Step s trains on `sample_batch(split(fold_in(data_key, s))[0], data)`; dropout
     uses the other half of the split. Pure, so it can be jitted, vmapped over
     seeds and sharded.
     """
 
-    def train_chunk(state: TrainState, data_key: jax.Array):
+    def train_chunk(state: TrainState, data_key: jax.Array, data: Any):
         # All the chunk's batches at once: one bulk draw is much cheaper than
         # `length` small ones, and gives the same batches.
         steps = state.step + jnp.arange(length)
         step_keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(data_key, s)))(steps)
-        batches = jax.vmap(setup.sample_batch)(step_keys[:, 0])  # (length, ...)
+        batches = jax.vmap(setup.sample_batch, in_axes=(0, None))(step_keys[:, 0], data)
 
         def train_step(state: TrainState, inputs):
             batch, dropout_key = inputs

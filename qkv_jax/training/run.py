@@ -130,10 +130,14 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
         return compiled[name].result()[0] if wait else None
 
     def chunk_fn(n: int, wait: bool = True):
-        return compiled_fn(("chunk", n), lambda: make_train_chunk(setup, n), abstract_state, keys["data"], wait=wait)
+        return compiled_fn(
+            ("chunk", n), lambda: make_train_chunk(setup, n), abstract_state, keys["data"], setup.data, wait=wait
+        )
 
     def evaluate_fn(wait: bool = True):
-        return compiled_fn("evaluate", lambda: setup.evaluate, abstract_state.params, keys["eval"], wait=wait)
+        return compiled_fn(
+            "evaluate", lambda: setup.evaluate, abstract_state.params, keys["eval"], setup.data, wait=wait
+        )
 
     length = chunk_length(log_every, checkpoint_every)
     evaluate_fn(wait=False)
@@ -155,7 +159,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     timings["setup_s"] = time.perf_counter() - started
 
     t = time.perf_counter()
-    untrained, examples_before = jax.device_get(evaluate_fn()(initial_state.params, keys["eval"]))
+    untrained, examples_before = jax.device_get(evaluate_fn()(initial_state.params, keys["eval"], setup.data))
     timings["first_eval_s"] = time.perf_counter() - t
     if setup.report is not None:  # drawn while the training runs
         report_before = executor.submit(setup.report, workdir, "before", examples_before)
@@ -170,7 +174,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             n = min(length, steps - step)
             run_chunk = chunk_fn(n)
             t = time.perf_counter()
-            state, losses = run_chunk(state, keys["data"])
+            state, losses = run_chunk(state, keys["data"], setup.data)
             losses = np.asarray(jax.device_get(losses))
             train_loop_s += time.perf_counter() - t
             bad = ~np.isfinite(losses)
@@ -199,7 +203,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     timings["compile_s"] = sum(f.result()[1] for f in compiled.values())
 
     t = time.perf_counter()
-    trained, examples_after = jax.device_get(evaluate_fn()(state.params, keys["eval"]))
+    trained, examples_after = jax.device_get(evaluate_fn()(state.params, keys["eval"], setup.data))
     timings["eval_s"] = time.perf_counter() - t
     if last_loss is None:  # nothing left to train: the run was complete
         records = read_metrics(workdir / "metrics.jsonl")
