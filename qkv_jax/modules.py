@@ -365,7 +365,7 @@ class MultiHeadAttention(nn.Module):
         query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
         key = self._projection((num_kv_heads, head_dim), "key")(inputs_kv)  # (..., S, K, H)
         value = self._projection((num_kv_heads, v_head_dim), "value")(inputs_kv)  # (..., S, K, Hv)
-        output, weights = dot_product_attention(
+        attended = dot_product_attention(
             query,
             key,
             value,
@@ -373,9 +373,12 @@ class MultiHeadAttention(nn.Module):
             is_causal=self.is_causal,
             scale=self.scale,
             **_dropout(self, self.dropout_rate, deterministic),
-            return_weights=True,
-        )  # (..., T, N, Hv), (..., N, T, S)
+            return_weights=self.sow_weights,
+        )
         if self.sow_weights:
+            output, weights = attended  # (..., T, N, Hv), (..., N, T, S)
             self.sow("intermediates", "attention_weights", weights)
+        else:
+            output = attended  # (..., T, N, Hv)
         out_features = self.out_features or features
         return self._projection(out_features, "out", axis=(-2, -1))(output)  # (..., T, D_out)
