@@ -16,12 +16,20 @@ Variants (`--config configs/flag_retrieval.py:<variant>`):
              python -m experiments.train --config configs/flag_retrieval.py:two_flag \
                --workdir runs/two_flag --config.model.num_heads=2
 
+  thermostat seed 000's model at d_k=256, where the 1/sqrt(d_k) scale matters:
+             python -m experiments.train --config configs/flag_retrieval.py:thermostat \
+               --workdir runs/thermostat --config.model.scaled=False
+
 Any field can be overridden, e.g. --config.train.steps=500 --config.model.d_k=4.
+
+Sweeps (`get_sweep(variant)` gives each variant's grid; see docs/experiments.md):
+
+  python -m experiments.sweep --config configs/flag_retrieval.py:two_flag --workdir runs/two_flag_heads --seeds 4
 """
 
 import ml_collections
 
-VARIANTS = ("learned_query", "static", "multihead", "two_flag")
+VARIANTS = ("learned_query", "static", "multihead", "two_flag", "thermostat")
 
 
 def get_config(arg=None):
@@ -36,11 +44,18 @@ def get_config(arg=None):
 
     config.model = ml_collections.ConfigDict()
     # learned_query (seed 000's module), static (no parameters) or multihead.
-    config.model.kind = "multihead" if variant in ("multihead", "two_flag") else variant
+    config.model.kind = "multihead" if variant in ("multihead", "two_flag") else "learned_query"
+    if variant == "static":
+        config.model.kind = "static"
     # Token width: content channels plus task.num_flags flag channels.
     config.model.d_model = 8
     # Total query/key width, split evenly over the heads.
-    config.model.d_k = 8
+    config.model.d_k = 256 if variant == "thermostat" else 8
+    # Total value width (multihead only), split over the heads; unset = model.d_k. two_flag
+    # sets it to the target width (2 x 6 content channels), enough to carry both contents.
+    config.model.d_v = ml_collections.config_dict.placeholder(int)
+    if variant == "two_flag":
+        config.model.d_v = 12
     # Attention heads (multihead only; the others have one).
     config.model.num_heads = 2 if variant in ("multihead", "two_flag") else 1
     # Divide logits by sqrt(head depth), seed 002's thermostat; False = unscaled.
@@ -76,3 +91,22 @@ def get_config(arg=None):
     # Examples drawn in attention_before.png / attention_after.png.
     config.eval.num_plot_examples = 8
     return config
+
+
+def get_sweep(arg=None):
+    """The grid `python -m experiments.sweep` runs for each variant when no --sweep is given."""
+    variant = arg or "learned_query"
+    if variant == "learned_query":  # the smallest d_k that solves the one-flag task
+        return {"model.d_k": [1, 2, 4, 8]}
+    if variant == "two_flag":  # heads at equal total query/key (and value) width
+        return {"model.d_k": [4, 8, 16], "model.num_heads": [1, 2, 4]}
+    if variant == "thermostat":  # with and without 1/sqrt(d_k), at small and large d_k
+        return {"model.d_k": [8, 64, 256, 1024], "model.scaled": [True, False]}
+    if variant == "multihead":
+        return {"model.d_k": [2, 4, 8, 16], "model.num_heads": [1, 2, 4]}
+    raise ValueError(f"configs/flag_retrieval.py:{variant}: no sweep defined for this variant")
+
+
+def get_sweep_metric(arg=None):
+    """The metric the sweep's table and plots show."""
+    return "eval_decode_accuracy" if arg == "two_flag" else "eval_accuracy"

@@ -1,6 +1,7 @@
 r"""Rebuilds the generated parts of the documentation from measured outputs.
 
   python -m docs.generate readme       # runs the main job and the static baseline for the README
+  python -m docs.generate experiments [--only STUDY ...]   # docs/experiments.md (docs/experiments_doc.py)
 
 Each part is written between `<!-- generated:NAME -->` and
 `<!-- end generated:NAME -->` markers, with the command that regenerated it.
@@ -75,14 +76,22 @@ def readme() -> None:
     )
 
 
-PARTS = {"readme": readme}
+def experiments(only: list[str] | None = None) -> None:
+    from docs.experiments_doc import generate
+
+    generate(only)
+
+
+PARTS = {"readme": readme, "experiments": experiments}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("parts", nargs="+", choices=sorted(PARTS))
-    for part in parser.parse_args().parts:
-        PARTS[part]()
+    parser.add_argument("--only", nargs="*", help="experiments: only these studies")
+    args = parser.parse_args()
+    for part in args.parts:
+        PARTS[part](args.only) if part == "experiments" else PARTS[part]()
         print(f"regenerated {part}")
 
 

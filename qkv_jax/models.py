@@ -26,12 +26,15 @@ class FlagReader(nn.Module):
         are the raw tokens (every W is the identity); the prediction is the
         blended content, repeated for each flag.
       multihead: a learned query token read by `MultiHeadAttention` with
-        `num_heads` heads of depth `d_k // num_heads` (value depth too) and W_O.
+        `num_heads` heads of query/key depth `d_k // num_heads` and value depth
+        `d_v // num_heads`, then W_O, all without bias. The parameter count does not depend on
+        `num_heads`: the heads split fixed total widths d_k and d_v.
     """
 
     kind: str
     out_features: int
     d_k: int = 8
+    d_v: int | None = None  # multihead: total value width (default d_k)
     num_heads: int = 1
     num_flags: int = 1
     scaled: bool = True
@@ -52,10 +55,12 @@ class FlagReader(nn.Module):
         if self.kind == "multihead":
             query_token = self.param("query", nn.initializers.normal(1.0), (inputs.shape[-1],))
             query = jnp.broadcast_to(query_token, (*inputs.shape[:-2], 1, inputs.shape[-1]))
-            head_dim = self.d_k // self.num_heads
+            d_v = self.d_v or self.d_k
             output = MultiHeadAttention(
                 num_heads=self.num_heads,
-                head_dim=head_dim,
+                head_dim=self.d_k // self.num_heads,
+                v_head_dim=d_v // self.num_heads,
+                use_bias=False,  # W_Q, W_K, W_V, W_O as in the seeds (a key bias gets no gradient)
                 out_features=self.out_features,
                 scale=scale,
                 sow_weights=True,

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["plot_flag_attention"]
+__all__ = ["plot_flag_attention", "plot_sweep_lines", "plot_sweep_heatmap"]
 
 
 def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathlib.Path:
@@ -41,6 +41,58 @@ def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathl
     if title:
         fig.suptitle(title)
     fig.subplots_adjust(left=0.12, right=0.84, bottom=0.2, top=0.82, wspace=0.25)
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep_lines(points, x_field: str, series_field: str | None, metric: str, path) -> pathlib.Path:
+    """`metric` (mean with min-max band) against `x_field`, a line per `series_field` value.
+
+    points: (x, series value or None, {"mean", "min", "max", ...}) per cell.
+    """
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    series = sorted({p[1] for p in points}, key=lambda v: (v is None, str(v) if not isinstance(v, (int, float)) else v))
+    numeric_x = all(isinstance(p[0], (int, float)) and not isinstance(p[0], bool) for p in points)
+    for value in series:
+        chosen = sorted((p for p in points if p[1] == value), key=lambda p: p[0] if numeric_x else str(p[0]))
+        xs = [p[0] if numeric_x else str(p[0]) for p in chosen]
+        means = [p[2]["mean"] for p in chosen]
+        label = None if series_field is None else f"{series_field.split('.')[-1]}={value}"
+        ax.plot(xs, means, marker="o", label=label)
+        ax.fill_between(xs, [p[2]["min"] for p in chosen], [p[2]["max"] for p in chosen], alpha=0.2)
+    if numeric_x and all(p[0] > 0 for p in points):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({p[0] for p in points}), labels=[str(x) for x in sorted({p[0] for p in points})])
+    ax.set_xlabel(x_field)
+    ax.set_ylabel(f"{metric} (mean, min-max band)")
+    if series_field is not None:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, path) -> pathlib.Path:
+    """Heatmap of `values` `[len(ys), len(xs)]` (nan = skipped cell), annotated."""
+    values = np.asarray(values, dtype=float)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(xs), 1.4 + 0.7 * len(ys)))
+    image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
+    for (row, col), value in np.ndenumerate(values):
+        text = "skipped" if np.isnan(value) else f"{value:.3g}"
+        ax.text(col, row, text, ha="center", va="center", color="white" if np.isnan(value) else "black",
+                fontsize=8, bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})
+    ax.set_xticks(range(len(xs)), labels=[str(x) for x in xs])
+    ax.set_yticks(range(len(ys)), labels=[str(y) for y in ys])
+    ax.set_xlabel(x_field)
+    ax.set_ylabel(y_field)
+    ax.set_title(f"{metric} (mean over seeds)")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
     path = pathlib.Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -27,6 +27,9 @@ def validate_config(config: Any) -> None:
     model, task = config["model"], config["task"]
     if model["kind"] == "multihead":
         validate.require_divides(config, "model.num_heads", "model.d_k")
+        if model.get("d_v") is not None:
+            validate.require_positive_int(config, "model.d_v")
+            validate.require_divides(config, "model.num_heads", "model.d_v")
     elif model["num_heads"] != 1:
         raise ConfigError(
             f"model.num_heads={model['num_heads']}: model.kind={model['kind']!r} has one head; "
@@ -91,6 +94,7 @@ def build(config: Any) -> Setup:
         kind=model_config["kind"],
         out_features=num_flags * (d_model - num_flags),
         d_k=model_config["d_k"],
+        d_v=model_config.get("d_v"),
         num_heads=model_config["num_heads"],
         num_flags=num_flags,
         scaled=model_config["scaled"],

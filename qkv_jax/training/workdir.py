@@ -59,11 +59,11 @@ def write_json(path: str | pathlib.Path, data: Any) -> None:
     os.replace(f.name, path)
 
 
-def _differences(saved: dict, current: dict) -> list[str]:
+def _differences(saved: dict, current: dict, resumable: tuple[str, ...]) -> list[str]:
     saved_flat, current_flat = flatten(saved), flatten(current)
     changed = []
     for field in sorted(set(saved_flat) | set(current_flat)):
-        if any(field == f or (f.endswith(".") and field.startswith(f)) for f in RESUMABLE_FIELDS):
+        if any(field == f or (f.endswith(".") and field.startswith(f)) for f in resumable):
             continue
         if saved_flat.get(field, "<absent>") != current_flat.get(field, "<absent>"):
             changed.append(
@@ -82,24 +82,33 @@ def _check_writable(workdir: pathlib.Path) -> None:
         raise ConfigError(f"workdir={str(workdir)!r}: cannot write there ({error.strerror or error})") from None
 
 
-def prepare_workdir(workdir: str | pathlib.Path, config: dict, overwrite: bool) -> pathlib.Path:
+def prepare_workdir(
+    workdir: str | pathlib.Path,
+    config: dict,
+    overwrite: bool,
+    *,
+    config_name: str = "config.json",
+    resumable: tuple[str, ...] = RESUMABLE_FIELDS,
+    outputs: tuple[str, ...] = RUN_OUTPUTS,
+) -> pathlib.Path:
     """Creates the workdir, or checks that the run in it is this config's.
 
-    A workdir holding another config's run is refused (ConfigError naming the
-    first differing fields) unless `overwrite`, in which case the old outputs
-    are moved to `replaced-<time>/` inside the workdir. Writes config.json.
+    A workdir whose `config_name` differs from `config` in a field not in
+    `resumable` is refused (ConfigError naming the first differing fields)
+    unless `overwrite`, in which case the old `outputs` (and pictures) are
+    moved to `replaced-<time>/` inside the workdir. Writes `config_name`.
     """
     workdir = pathlib.Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"workdir={str(workdir)!r}: exists and is not a directory")
     _check_writable(workdir)
-    saved_path = workdir / "config.json"
+    saved_path = workdir / config_name
     if saved_path.exists():
         try:
             saved = json.loads(saved_path.read_text())
         except json.JSONDecodeError:
-            saved = {"<unreadable config.json>": True}
-        changed = _differences(saved, config)
+            saved = {f"<unreadable {config_name}>": True}
+        changed = _differences(saved, config, resumable)
         if changed and not overwrite:
             raise ConfigError(
                 f"workdir={str(workdir)!r} holds a run of a different config ("
@@ -109,7 +118,7 @@ def prepare_workdir(workdir: str | pathlib.Path, config: dict, overwrite: bool) 
         if changed:
             archive = workdir / time.strftime("replaced-%Y%m%d-%H%M%S")
             archive.mkdir()
-            for name in RUN_OUTPUTS + tuple(p.name for p in workdir.glob("*.png")):
+            for name in outputs + tuple(p.name for p in workdir.glob("*.png")):
                 if (workdir / name).exists():
                     shutil.move(str(workdir / name), str(archive / name))
     write_json(saved_path, config)

@@ -1,0 +1,364 @@
+r"""docs/experiments.md: each seed claim, the command that measures it, the result.
+
+  python -m docs.generate experiments                # every study
+  python -m docs.generate experiments --only two_flag_heads
+
+Each study runs its command into runs/studies/<name> (sweeps skip finished
+cells, so a second call only re-renders), reads the results files and writes
+its section: the question, the design, the table, the plots and an answer
+whose every number comes from the results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from typing import Callable
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STUDIES_DIR = ROOT / "runs" / "studies"
+IMAGES = ROOT / "docs" / "images"
+DOC = ROOT / "docs" / "experiments.md"
+
+
+def run(command: list[str]) -> None:
+    print("$", " ".join(command), file=sys.stderr)
+    subprocess.run(
+        [sys.executable, "-m", *command], cwd=ROOT, check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def shown(command: list[str]) -> str:
+    return "python -m " + " ".join(command)
+
+
+def copy_image(source: pathlib.Path, name: str) -> str:
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source, IMAGES / name)
+    return f"images/{name}"
+
+
+def fmt(value: float, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}g}"
+
+
+def sweep_rows(workdir: pathlib.Path) -> list[dict]:
+    return json.loads((workdir / "results.json").read_text())["rows"]
+
+
+def stat_cell(row: dict, name: str) -> str:
+    s = row.get(f"{name}_stats")
+    if s is None:
+        return "-"
+    return f"{fmt(s['mean'])} ± {fmt(s['std'], 2)} [{fmt(s['min'])}, {fmt(s['max'])}]"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --- Seed 000: learned against static attention ---------------------------------------
+
+def flag_learned_vs_static() -> str:
+    commands = {
+        "learned": ["experiments.train", "--config", "configs/flag_retrieval.py", "--workdir", "runs/studies/flag"],
+        "static": ["experiments.train", "--config", "configs/flag_retrieval.py:static", "--workdir", "runs/studies/flag_static"],
+    }
+    summaries = {}
+    for name, command in commands.items():
+        run(command)
+        summaries[name] = json.loads((ROOT / command[-1] / "summary.json").read_text())
+    learned, static = summaries["learned"], summaries["static"]
+    metrics = [
+        ("eval_accuracy", "top-attended position is the flagged one"),
+        ("eval_mse", "mean squared error of the output"),
+        ("eval_entropy", "entropy of the attention row (nats; uniform = ln 5 = 1.609)"),
+        ("eval_flag_attention", "attention weight on the flagged position"),
+    ]
+    rows = [
+        [f"`{key}`: {text}", fmt(static[key]), fmt(learned["untrained"][key]), fmt(learned[key])]
+        for key, text in metrics
+    ]
+    image = copy_image(ROOT / "runs/studies/flag/attention_after.png", "study_flag_attention_after.png")
+    image_before = copy_image(ROOT / "runs/studies/flag/attention_before.png", "study_flag_attention_before.png")
+    solved = learned["eval_accuracy"] >= 0.999 and learned["final_loss"] < 1e-3
+    static_near_chance = static["eval_accuracy"] < 0.5
+    answer = (
+        f"Trained from random initialisation for {learned['steps']} steps, the learned query/key "
+        f"projections put the top attention weight on the flagged position in "
+        f"{fmt(100 * learned['eval_accuracy'])}% of {learned_examples(learned)} fresh examples "
+        f"(untrained: {fmt(100 * learned['untrained']['eval_accuracy'])}%), with final training "
+        f"loss {fmt(learned['final_loss'], 3)}. "
+        + ("Seed 000's claim holds. " if solved else "Seed 000's claim does not fully hold here. ")
+        + f"Static attention, with nothing to learn, reaches {fmt(100 * static['eval_accuracy'])}%"
+        + (" (chance is 20%): embedding similarity alone does not find the flag." if static_near_chance else ".")
+    )
+    return "\n".join([
+        "## Seed 000: learned Q/K/V find the flagged token; static attention does not",
+        "",
+        "**Question.** Seed 000 (section 4) trains a learned query vector with W_q, W_k, W_v on a task "
+        "where each of 5 tokens carries fresh random content and one flag channel marks the position "
+        "whose content is the target. It reports the loss near zero by step 400 and the flagged "
+        "position top-attended on 10 of 10 fresh examples, and argues that static attention, with "
+        "nothing trainable, cannot do this.",
+        "",
+        "**Commands.**",
+        "",
+        "```bash",
+        *(shown(c) for c in commands.values()),
+        "```",
+        "",
+        table(["metric (10,000 fresh examples)", "static", "learned, untrained", "learned, trained"], rows),
+        "",
+        f"| before training | after training |\n|---|---|\n| ![before]({image_before}) | ![after]({image}) |",
+        "",
+        f"**Answer.** {answer}",
+    ])
+
+
+def learned_examples(summary: dict) -> str:
+    config = json.loads((ROOT / "runs/studies/flag/config.json").read_text())
+    return f"{config['eval']['num_examples']:,}"
+
+
+# --- Seed 000's open question: several heads against one wider head ---------------------
+
+def two_flag_heads() -> str:
+    workdir = "runs/studies/two_flag_heads"
+    command = ["experiments.sweep", "--config", "configs/flag_retrieval.py:two_flag", "--workdir", workdir, "--seeds", "4"]
+    run(command)
+    rows = [r for r in sweep_rows(ROOT / workdir) if r["status"] == "done"]
+    body = [
+        [str(r["cell"]["model.d_k"]), str(r["cell"]["model.num_heads"]), stat_cell(r, "eval_decode_accuracy"),
+         stat_cell(r, "eval_mse"), stat_cell(r, "eval_entropy")]
+        for r in rows
+    ]
+    heatmap = copy_image(ROOT / workdir / "eval_decode_accuracy_heatmap.png", "study_two_flag_heatmap.png")
+    lines = copy_image(ROOT / workdir / "eval_decode_accuracy_vs_d_k.png", "study_two_flag_lines.png")
+    one = [r for r in rows if r["cell"]["model.num_heads"] == 1]
+    many = [r for r in rows if r["cell"]["model.num_heads"] > 1]
+    best_one = max(r["eval_decode_accuracy_stats"]["max"] for r in one)
+    worst_many = min(r["eval_decode_accuracy_stats"]["min"] for r in many)
+    widths = sorted({r["cell"]["model.d_k"] for r in one})
+    separated = best_one < 0.9 and worst_many > 0.99
+    answer = (
+        f"With one head, no seed at any width d_k in {widths} decodes more than "
+        f"{fmt(100 * best_one)}% of the flagged contents; with 2 or 4 heads every seed of every "
+        + (f"cell decodes all of them. " if worst_many == 1.0 else f"cell decodes at least {fmt(100 * worst_many)}%. ")
+    )
+    if separated:
+        answer += (
+            "So no: a single head cannot serve two notions of relevance at once, and making it wider "
+            "does not help. Its output is one convex blend of the values, w_a V x_a + w_b V x_b; "
+            "it can attend to both flags (see its attention entropy), but the two contents arrive "
+            "summed, and W_O cannot pull them apart. Two heads each learn one flag channel, and W_O "
+            "routes each head's blend to its own half of the output. What several heads buy, at "
+            "equal parameter count, is several independent attention patterns."
+        )
+    else:
+        answer += "The measured separation between one head and several is not clean; see the table."
+    return "\n".join([
+        "## Seed 000's open question: several heads or one wider head?",
+        "",
+        "**Question.** Seed 000 ends by asking what a layer gains from several independently trained "
+        "heads compared with one head with a proportionally bigger d_k: \"does a single head have any "
+        "way to simultaneously prioritize two genuinely different notions of relevance at once?\"",
+        "",
+        "**Design.** A task that needs two notions of relevance at once: two flag channels mark two "
+        "different positions, and the target is both flagged contents side by side (6 + 6 numbers). "
+        "The model is `MultiHeadAttention` read by one learned query token, without biases. The heads "
+        "split a fixed total query/key width d_k and a fixed total value width of 12 (enough to "
+        "carry both contents), so at a given d_k every head count has exactly the same number of "
+        "parameters, the same optimizer (Adam, 0.01), steps (2000), batches and seeds (4 per cell, "
+        "trained together with `jax.vmap`). The metric is decode accuracy: the share of predicted "
+        "content slots nearest (L2) to the content at their flagged position.",
+        "",
+        f"**Command** (about a minute on 2 CPU cores): `{shown(command)}`",
+        "",
+        table(["d_k (total)", "heads", "decode accuracy", "mse", "attention entropy (nats)"], body),
+        "",
+        f"| decode accuracy, d_k x heads | against d_k |\n|---|---|\n| ![heatmap]({heatmap}) | ![lines]({lines}) |",
+        "",
+        f"**Answer.** {answer}",
+    ])
+
+
+# --- The smallest d_k for one flag -------------------------------------------------------
+
+def flag_min_dk() -> str:
+    workdir = "runs/studies/flag_min_dk"
+    command = ["experiments.sweep", "--config", "configs/flag_retrieval.py", "--workdir", workdir, "--seeds", "8"]
+    run(command)
+    rows = [r for r in sweep_rows(ROOT / workdir) if r["status"] == "done"]
+    body = [
+        [str(r["cell"]["model.d_k"]), stat_cell(r, "eval_accuracy"), stat_cell(r, "final_loss"),
+         stat_cell(r, "steps_to_loss_below_1e-2")]
+        for r in rows
+    ]
+    solving = [r["cell"]["model.d_k"] for r in rows if r["eval_accuracy_stats"]["min"] >= 0.999]
+    answer = (
+        f"The smallest d_k at which every one of the {len(rows[0]['seeds'])} seeds reaches 99.9% "
+        f"accuracy is {min(solving)}."
+        if solving else "No d_k in the sweep solves the task for every seed."
+    )
+    if solving and min(solving) == 1:
+        answer += (
+            " One query/key dimension is enough: the task has one notion of relevance (is the flag "
+            "channel set?), and a single learned direction in key space that reads the flag channel, "
+            "scaled up by W_q, expresses it."
+        )
+    image = copy_image(ROOT / workdir / "eval_accuracy_vs_d_k.png", "study_min_dk.png")
+    return "\n".join([
+        "## The smallest d_k that solves the one-flag task",
+        "",
+        "**Question.** How wide must the learned query/key projection be for seed 000's task?",
+        "",
+        f"**Command:** `{shown(command)}` (seed 000's model and training, 8 seeds per width).",
+        "",
+        table(["d_k", "accuracy", "final training loss", "first logged step with loss < 1e-2"], body),
+        "",
+        f"![accuracy against d_k]({image})",
+        "",
+        f"**Answer.** {answer}",
+    ])
+
+
+# --- Seed 002's thermostat ---------------------------------------------------------------
+
+def thermostat() -> str:
+    workdir = "runs/studies/thermostat"
+    command = [
+        "experiments.sweep", "--config", "configs/flag_retrieval.py:thermostat", "--workdir", workdir,
+        "--seeds", "4", "--config.train.log_every=10",
+    ]
+    run(command)
+    rows = [r for r in sweep_rows(ROOT / workdir) if r["status"] == "done"]
+    body = [
+        [str(r["cell"]["model.d_k"]), "1/sqrt(d_k)" if r["cell"]["model.scaled"] else "none",
+         stat_cell(r, "untrained_eval_entropy"), stat_cell(r, "steps_to_loss_below_1e-2"),
+         stat_cell(r, "final_loss"), stat_cell(r, "eval_entropy"), stat_cell(r, "eval_accuracy")]
+        for r in rows
+    ]
+    image = plot_thermostat_curves(rows, IMAGES / "study_thermostat_curves.png")
+    by = {(r["cell"]["model.d_k"], r["cell"]["model.scaled"]): r for r in rows}
+    largest = max(d for d, _ in by)
+    scaled, unscaled = by[(largest, True)], by[(largest, False)]
+    answer = (
+        f"At d_k = {largest}, without the scale the untrained attention rows have entropy "
+        f"{fmt(unscaled['untrained_eval_entropy_stats']['mean'], 3)} nats against "
+        f"{fmt(scaled['untrained_eval_entropy_stats']['mean'], 3)} with it (uniform over 5 "
+        f"positions: 1.609): the softmax starts close to one-hot, as seed 002 warns. Training loss "
+        f"first drops below 1e-2 after {fmt(unscaled['steps_to_loss_below_1e-2_stats']['mean'])} "
+        f"steps unscaled against {fmt(scaled['steps_to_loss_below_1e-2_stats']['mean'])} scaled "
+        f"(mean over seeds, logged every 10 steps). "
+    )
+    slower = unscaled["steps_to_loss_below_1e-2_stats"]["mean"] > scaled["steps_to_loss_below_1e-2_stats"]["mean"]
+    still_solves = unscaled["eval_accuracy_stats"]["min"] >= 0.99
+    answer += (
+        ("So the thermostat matters for the start of training: without it convergence is slower. " if slower
+         else "On this task the scale does not change how fast training converges. ")
+        + ("It is not what makes the task learnable here: Adam rescales each parameter's step, and "
+           "the unscaled model still solves the task"
+           + (", ending with even sharper attention." if unscaled["eval_entropy_stats"]["mean"] < scaled["eval_entropy_stats"]["mean"] else ".")
+           if still_solves else "Without it, some seeds do not solve the task.")
+    )
+    return "\n".join([
+        "## Seed 002's thermostat: dividing by sqrt(d_k)",
+        "",
+        "**Question.** Seed 002 calls the 1/sqrt(d_k) scale a thermostat on the softmax: dot products "
+        "grow with the key length, big logits make the softmax near one-hot, and a near one-hot row "
+        "passes almost no gradient. Does removing the scale at large d_k slow learning, and how "
+        "peaked are the attention rows?",
+        "",
+        "**Design.** Seed 000's model and task at d_k = 8 to 1024, with and without the scale, "
+        "4 seeds per cell, loss logged every 10 steps.",
+        "",
+        f"**Command:** `{shown(command)}`",
+        "",
+        table(["d_k", "scale", "entropy before training (nats)", "steps to loss < 1e-2",
+               "final loss", "entropy after (nats)", "accuracy"], body),
+        "",
+        f"![training loss, mean over seeds]({image})",
+        "",
+        f"**Answer.** {answer}",
+    ])
+
+
+def plot_thermostat_curves(rows: list[dict], path: pathlib.Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    widths = sorted({r["cell"]["model.d_k"] for r in rows})
+    colors = dict(zip(widths, plt.cm.viridis(np.linspace(0, 0.9, len(widths)))))
+    for r in rows:
+        curve = np.exp(np.mean(np.log(np.maximum(np.asarray(r["curves"]), 1e-30)), axis=0))  # geometric mean
+        style = "-" if r["cell"]["model.scaled"] else "--"
+        label = f"d_k={r['cell']['model.d_k']}, {'scaled' if r['cell']['model.scaled'] else 'unscaled'}"
+        ax.plot(r["curve_steps"], curve, style, color=colors[r["cell"]["model.d_k"]], label=label)
+    ax.set_yscale("log")
+    ax.set_xlim(0, 600)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (geometric mean of seeds)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"images/{path.name}"
+
+
+STUDIES: dict[str, Callable[[], str]] = {
+    "flag_learned_vs_static": flag_learned_vs_static,
+    "two_flag_heads": two_flag_heads,
+    "flag_min_dk": flag_min_dk,
+    "thermostat": thermostat,
+}
+
+HEADER = """# Experiments
+
+Each section turns a claim or question of the seed documents into a measurement.
+This file is generated: `python -m docs.generate experiments` runs every study
+into `runs/studies/` (sweeps skip finished cells) and rewrites it; each section
+names the command that regenerates its numbers. Nothing below is typed by hand
+except the prose around the numbers. Times are on the 2-core CPU machine this
+project is developed on.
+"""
+
+
+def generate(only: list[str] | None = None) -> None:
+    """Runs the studies and rewrites docs/experiments.md (sections not run are kept)."""
+    sections = existing_sections()
+    for name in only or list(STUDIES):
+        sections[name] = STUDIES[name]()
+    parts = [HEADER]
+    for name in STUDIES:
+        if name in sections:
+            parts.append(f"<!-- study:{name} -->\n{sections[name].strip()}\n<!-- end study:{name} -->")
+    DOC.write_text("\n\n".join(parts) + "\n")
+
+
+def existing_sections() -> dict[str, str]:
+    if not DOC.exists():
+        return {}
+    import re
+
+    return {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"<!-- study:(\w+) -->\n(.*?)\n<!-- end study:\1 -->", DOC.read_text(), re.DOTALL)
+    }

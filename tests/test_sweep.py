@@ -1,0 +1,119 @@
+"""Sweeps: vmapped seeds equal single runs; a tiny grid end to end, with resume."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import flag_retrieval
+from qkv_jax.training import Checkpoints, init_train_state, make_optimizer, seed_keys, train_and_evaluate
+from qkv_jax.training.run import build_setup
+from qkv_jax.training.seeds import train_seeds
+from qkv_jax.training.sweep import apply_overrides, grid, parse_sweep_arg, run_sweep
+from qkv_jax.training.validate import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(variant="multihead"):
+    config = flag_retrieval.get_config(variant)
+    config.train.steps = 12
+    config.train.batch_size = 8
+    config.train.log_every = 4
+    config.train.checkpoint_every = 12
+    config.eval.num_examples = 32
+    return config
+
+
+def test_vmapped_seeds_equal_training_each_seed_alone(tmp_path):
+    config = tiny_config()
+    together = train_seeds(config, [0, 3])
+    for index, seed in enumerate([0, 3]):
+        alone = config.to_dict()
+        alone["seed"] = seed
+        summary = train_and_evaluate(alone, tmp_path / f"seed{seed}")
+        setup = build_setup(alone)
+        template = init_train_state(setup, make_optimizer(alone["train"]), seed_keys(seed)["init"])
+        target = {"step": template.step, "params": template.params, "opt_state": template.opt_state}
+        _, state = Checkpoints(tmp_path / f"seed{seed}" / "checkpoints").restore_latest(target)
+        jax.tree.map(
+            lambda vmapped, single: np.testing.assert_allclose(vmapped[index], single, atol=1e-6, rtol=0),
+            together["params"],
+            state["params"],
+        )
+        np.testing.assert_allclose(together["final_loss"][index], summary["final_loss"], rtol=1e-5)
+
+
+def test_grid_and_overrides():
+    assert grid({"a.x": [1, 2], "b.y": [True]}) == [{"a.x": 1, "b.y": True}, {"a.x": 2, "b.y": True}]
+    assert grid([{"a.x": 3}]) == [{"a.x": 3}]
+    config = tiny_config().to_dict()
+    assert parse_sweep_arg("model.d_k=2,4", config) == ("model.d_k", [2, 4])
+    assert parse_sweep_arg("model.scaled=true,False", config) == ("model.scaled", [True, False])
+    assert parse_sweep_arg("train.learning_rate=0.1,1e-3", config) == ("train.learning_rate", [0.1, 1e-3])
+    assert parse_sweep_arg("model.d_v=4,12", config) == ("model.d_v", [4, 12])  # a placeholder field
+    with pytest.raises(ConfigError, match="model.d_k='x': not a int"):
+        parse_sweep_arg("model.d_k=2,x", config)
+    with pytest.raises(ConfigError, match="model.nmu_heads: missing"):
+        parse_sweep_arg("model.nmu_heads=1", config)
+    with pytest.raises(ConfigError, match="model.bogus: no such config field"):
+        apply_overrides(config, {"model.bogus": 1})
+
+
+def test_tiny_sweep_end_to_end_with_resume(tmp_path):
+    sweep = {"model.d_k": [4, 6], "model.num_heads": [1, 4]}
+    logged = []
+    rows = run_sweep(tiny_config(), tmp_path, sweep, [0, 1], metric="eval_accuracy", log=logged.append)
+    assert [r["status"] for r in rows] == ["done", "done", "done", "skipped"]
+    assert "model.num_heads=4 does not divide model.d_k=6" in rows[3]["reason"]
+    for row in rows[:3]:
+        assert len(row["eval_accuracy"]) == 2 and len(row["final_loss"]) == 2
+        stats = row["eval_accuracy_stats"]
+        assert stats["min"] <= stats["mean"] <= stats["max"]
+        assert np.isclose(stats["mean"], np.mean(row["eval_accuracy"]))
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["rows"] == json.loads(json.dumps(rows))
+    with open(tmp_path / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["model.d_k"] for r in table] == ["4", "4", "6", "6"]
+    assert table[3]["status"] == "skipped"
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown.count("\n") == len(rows) + 2 and "skipped" in markdown
+    for picture in ("eval_accuracy_vs_d_k.png", "eval_accuracy_heatmap.png"):
+        assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG"
+
+    # A re-run skips every finished cell and returns the same rows.
+    logged.clear()
+    again = run_sweep(tiny_config(), tmp_path, sweep, [0, 1], metric="eval_accuracy", log=logged.append)
+    assert again == json.loads(json.dumps(rows))
+    assert sum("done before, skipped" in line for line in logged) == 4  # skipped cells too
+    # Another base config in the same workdir is refused.
+    other = tiny_config()
+    other.train.steps = 13
+    with pytest.raises(ConfigError, match="different config"):
+        run_sweep(other, tmp_path, sweep, [0, 1])
+
+
+@pytest.mark.slow
+def test_sweep_command_line(tmp_path):
+    args = [
+        sys.executable, "-m", "experiments.sweep", "--config", "configs/flag_retrieval.py:multihead",
+        "--workdir", str(tmp_path), "--sweep", "model.num_heads=1,3", "--seeds", "2",
+        "--config.train.steps=8", "--config.train.log_every=4", "--config.eval.num_examples=16",
+        "--compilation_cache=",
+    ]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr
+    assert "1 of 2 cells done, 1 skipped" in result.stdout
+    bad = subprocess.run(args[:-3] + ["--sweep", "model.d_k=two"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert bad.returncode != 0
+    assert [line for line in bad.stderr.splitlines() if line.strip()] == [
+        "error: --sweep model.d_k='two': not a int"
+    ]
