@@ -84,6 +84,8 @@ def get_config(arg=None):
     config.train.checkpoint_every = 1000
     # Replace a workdir that holds a different config's run (old files are moved aside).
     config.train.overwrite = False
+    # Check every operation of the compiled step for nan and division by zero (slower).
+    config.train.checkify = False
 
     config.eval = ml_collections.ConfigDict()
     # Fresh examples for the final (and untrained) evaluation.

@@ -2,6 +2,7 @@ r"""Rebuilds the generated parts of the documentation from measured outputs.
 
   python -m docs.generate readme       # runs the main job and the static baseline for the README
   python -m docs.generate experiments [--only STUDY ...]   # docs/experiments.md (docs/experiments_doc.py)
+  python -m docs.generate reliability  # docs/reliability.md from the tests' reliability marks
 
 Each part is written between `<!-- generated:NAME -->` and
 `<!-- end generated:NAME -->` markers, with the command that regenerated it.
@@ -11,6 +12,7 @@ Nothing in a generated part is typed by hand.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -82,7 +84,23 @@ def experiments(only: list[str] | None = None) -> None:
     generate(only)
 
 
-PARTS = {"readme": readme, "experiments": experiments}
+def reliability() -> None:
+    """Collects the tests (no run) and renders their reliability marks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = pathlib.Path(tmp) / "cases.json"
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:xdist", "tests"],
+            cwd=ROOT, check=True, capture_output=True,
+            env={**os.environ, "QKV_JAX_RELIABILITY_CATALOGUE": str(dump)},
+        )
+        cases = json.loads(dump.read_text())
+    sys.path.insert(0, str(ROOT / "tests"))
+    from reliability_catalogue import render
+
+    (ROOT / "docs" / "reliability.md").write_text(render(cases))
+
+
+PARTS = {"readme": readme, "experiments": experiments, "reliability": reliability}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Shared fixtures. Test data lives in tests/data (a user's clone has no ../shared)."""
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -13,3 +14,32 @@ DATA = pathlib.Path(__file__).parent / "data"
 def seed002():
     """Reference numbers for seed 002's 'The cat sat on the mat' walkthrough."""
     return json.loads((DATA / "seed002_cat_sat_mat.json").read_text())
+
+
+# --- The reliability catalogue (docs/reliability.md) ----------------------------------
+# A test marked @pytest.mark.reliability(area, case, behaviour) is one catalogue row.
+RELIABILITY_CASES: list[dict] = []
+COLLECTED_FILES: set[str] = set()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "reliability(area, case, behaviour): a row of docs/reliability.md"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Records every reliability case before -m/-k deselect anything."""
+    RELIABILITY_CASES.clear()
+    COLLECTED_FILES.clear()
+    for item in items:
+        COLLECTED_FILES.add(item.path.name)
+        for mark in item.iter_markers("reliability"):
+            area, case, behaviour = mark.args
+            RELIABILITY_CASES.append(
+                {"area": area, "case": case, "behaviour": behaviour, "test": item.nodeid}
+            )
+    target = os.environ.get("QKV_JAX_RELIABILITY_CATALOGUE")
+    if target:
+        pathlib.Path(target).write_text(json.dumps(RELIABILITY_CASES, indent=1))

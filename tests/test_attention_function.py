@@ -195,6 +195,10 @@ def test_dropout_replays_its_rng_and_is_unbiased():
     assert not np.allclose(many[0], plain, atol=1e-3)
 
 
+@pytest.mark.reliability(
+    "Attention inputs", "fully masked query rows and a -inf bias, in float32, bfloat16 and float16",
+    "zero output and zero weights for those rows, finite gradients (PyTorch gives nan on some paths)",
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_fully_masked_rows_and_neg_inf_bias_are_finite(dtype):
     query, key, value = (jnp.asarray(x, dtype) for x in random_qkv(10, (2,), 4, 5, 2, 1, 4, 4))
@@ -221,6 +225,10 @@ def test_fully_masked_rows_and_neg_inf_bias_are_finite(dtype):
     assert_attention_weights(weights, mask & (bias > -np.inf))
 
 
+@pytest.mark.reliability(
+    "Attention inputs", "bfloat16/float16 inputs with logits in the hundreds",
+    "softmax in float32: finite outputs and gradients, equal to float32 within the dtype's tolerance",
+)
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.bfloat16, 3e-2), (jnp.float16, 5e-3)])
 def test_low_precision_large_logits_match_float32(dtype, tolerance):
     query, key, value = random_qkv(11, (2,), 6, 6, 2, 2, 8, 8, np.float32)
@@ -234,6 +242,10 @@ def test_low_precision_large_logits_match_float32(dtype, tolerance):
     assert np.isfinite(np.asarray(grads, np.float32)).all()
 
 
+@pytest.mark.reliability(
+    "Attention inputs", "nan/inf in keys and values at masked-out positions (padding, causal future)",
+    "output and gradients stay finite; a non-finite value at an allowed position still gives nan",
+)
 def test_non_finite_masked_keys_and_values_do_not_leak():
     query, key, value = random_qkv(12, (), 3, 4, 1, 1, 4, 4, np.float32)
     key[3] = np.nan
@@ -275,23 +287,45 @@ def test_vmap_jit_and_no_retrace():
     attend(query + 1.0, key, value)  # same shapes: must not trace again
 
 
+def call_case(name, override, message):
+    mark = pytest.mark.reliability(
+        "Attention inputs", CASES[name], f"`ValueError`/`TypeError`: {message!r}"
+    )
+    return pytest.param(name, override, message, marks=mark, id=name)
+
+
+CASES = {
+    'rank': 'query of rank < 3',
+    'batch': 'batch dims that differ',
+    'length': 'key and value lengths that differ',
+    'depth': 'query and key depths that differ',
+    'kv heads': 'kv heads not dividing query heads',
+    'mask shape': 'boolean mask of a shape that does not broadcast',
+    'float mask': 'float mask where a boolean one is expected',
+    'bias shape': 'bias of a shape that does not broadcast',
+    'dropout rate': 'dropout rate outside [0, 1)',
+    'dropout rng': 'dropout without an rng',
+    'integer input': 'integer query/key/value',
+    'causal mask conflict': 'a mask whose query/key lengths conflict with is_causal',
+}
+
 BAD_CALLS = [
-    ("rank", dict(query=np.ones((4, 8))), "rank >= 3"),
-    ("batch", dict(key=np.ones((3, 5, 2, 4))), "batch dims differ"),
-    ("length", dict(value=np.ones((2, 6, 2, 4))), "agree in length"),
-    ("depth", dict(key=np.ones((2, 5, 2, 3))), "query depth 4 != key depth 3"),
-    ("kv heads", dict(key=np.ones((2, 5, 3, 4)), value=np.ones((2, 5, 3, 4))), "K=3 must divide"),
-    ("mask shape", dict(mask=np.ones((2, 4, 4), bool)), "mask of shape (2, 4, 4)"),
-    ("float mask", dict(mask=np.ones((4, 5), np.float32)), "mask must be boolean"),
-    ("bias shape", dict(bias=np.ones((7, 5))), "bias of shape (7, 5)"),
-    ("dropout rate", dict(dropout_rate=1.0), "dropout_rate must be in [0, 1)"),
-    ("dropout rng", dict(dropout_rate=0.1), "needs a dropout_rng"),
-    ("integer input", dict(query=np.ones((2, 4, 4, 4), np.int32)), "floating point"),
-    ("causal mask conflict", dict(mask=np.ones((5, 5), bool), is_causal=True), "mask of shape (5, 5)"),
+    call_case('rank', dict(query=np.ones((4, 8))), "rank >= 3"),
+    call_case('batch', dict(key=np.ones((3, 5, 2, 4))), "batch dims differ"),
+    call_case('length', dict(value=np.ones((2, 6, 2, 4))), "agree in length"),
+    call_case('depth', dict(key=np.ones((2, 5, 2, 3))), "query depth 4 != key depth 3"),
+    call_case('kv heads', dict(key=np.ones((2, 5, 3, 4)), value=np.ones((2, 5, 3, 4))), "K=3 must divide"),
+    call_case('mask shape', dict(mask=np.ones((2, 4, 4), bool)), "mask of shape (2, 4, 4)"),
+    call_case('float mask', dict(mask=np.ones((4, 5), np.float32)), "mask must be boolean"),
+    call_case('bias shape', dict(bias=np.ones((7, 5))), "bias of shape (7, 5)"),
+    call_case('dropout rate', dict(dropout_rate=1.0), "dropout_rate must be in [0, 1)"),
+    call_case('dropout rng', dict(dropout_rate=0.1), "needs a dropout_rng"),
+    call_case('integer input', dict(query=np.ones((2, 4, 4, 4), np.int32)), "floating point"),
+    call_case('causal mask conflict', dict(mask=np.ones((5, 5), bool), is_causal=True), "mask of shape (5, 5)"),
 ]
 
 
-@pytest.mark.parametrize("name,override,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+@pytest.mark.parametrize("name,override,message", BAD_CALLS)
 def test_bad_arguments_raise_clear_errors(name, override, message):
     args = dict(
         query=np.ones((2, 4, 4, 4), np.float32),
@@ -304,6 +338,10 @@ def test_bad_arguments_raise_clear_errors(name, override, message):
     assert message in str(info.value)
 
 
+@pytest.mark.reliability(
+    "Attention inputs", "mask helpers given bad sizes, lengths, dtypes or shapes",
+    "`ValueError`/`TypeError` naming the value",
+)
 @pytest.mark.parametrize(
     "call,message",
     [

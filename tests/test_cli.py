@@ -35,16 +35,26 @@ def error_lines(result):
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
+def command_case(name, args, expected, case):
+    mark = pytest.mark.reliability(
+        "Config and command line", case, "exits non-zero before compiling, one line: " + ", ".join(f"`{e}`" for e in expected)
+    )
+    return pytest.param(name, args, expected, marks=mark, id=name)
+
+
 BAD_COMMANDS = [
-    ("unknown field", ["--config.model.nmu_heads=4"], ["--config.model.nmu_heads", "did you mean num_heads"]),
-    ("wrong type", ["--config.train.steps=abc"], ["--config.train.steps=abc"]),
-    ("non-positive size", ["--config.model.d_k=0"], ["model.d_k=0", "positive"]),
-    ("negative steps", ["--config.train.steps=-5"], ["train.steps=-5"]),
-    ("heads not dividing", ["--config.model.kind=multihead", "--config.model.num_heads=3"],
-     ["model.num_heads=3 does not divide model.d_k=8"]),
-    ("unknown kind", ["--config.model.kind=lstm"], ["model.kind='lstm'", "learned_query"]),
-    ("unknown task", ["--config.task.name=sorting"], ["task.name='sorting'"]),
-    ("unknown optimizer", ["--config.train.optimizer=lion"], ["train.optimizer='lion'"]),
+    command_case("unknown field", ["--config.model.nmu_heads=4"], ["--config.model.nmu_heads", "did you mean num_heads"],
+                 "unknown config field (a typo)"),
+    command_case("wrong type", ["--config.train.steps=abc"], ["--config.train.steps=abc"], "value of the wrong type"),
+    command_case("non-positive size", ["--config.model.d_k=0"], ["model.d_k=0", "positive"], "non-positive size"),
+    command_case("negative steps", ["--config.train.steps=-5"], ["train.steps=-5"], "negative step count"),
+    command_case("nan learning rate", ["--config.train.learning_rate=nan"], ["train.learning_rate=nan"],
+                 "learning rate that is not a positive finite number"),
+    command_case("heads not dividing", ["--config.model.kind=multihead", "--config.model.num_heads=3"],
+                 ["model.num_heads=3 does not divide model.d_k=8"], "heads not dividing the width"),
+    command_case("unknown kind", ["--config.model.kind=lstm"], ["model.kind='lstm'", "learned_query"], "unknown model kind"),
+    command_case("unknown task", ["--config.task.name=sorting"], ["task.name='sorting'"], "unknown task"),
+    command_case("unknown optimizer", ["--config.train.optimizer=lion"], ["train.optimizer='lion'"], "unknown optimizer"),
 ]
 
 
@@ -59,6 +69,10 @@ def test_bad_command_lines(tmp_path, name, args, expected):
     assert not (tmp_path / "w" / "checkpoints").exists()  # failed before any work
 
 
+@pytest.mark.reliability(
+    "Config and command line", "unknown config variant (`file.py:nope`); missing --workdir",
+    "exits non-zero with one line naming the variant / the flag",
+)
 def test_unknown_variant_and_missing_workdir(tmp_path):
     result = run_cli("--config", f"{CONFIG}:nope", "--workdir", str(tmp_path))
     assert result.returncode != 0 and len(error_lines(result)) == 1
@@ -67,6 +81,10 @@ def test_unknown_variant_and_missing_workdir(tmp_path):
     assert result.returncode != 0 and error_lines(result) == ["error: --workdir is required"]
 
 
+@pytest.mark.reliability(
+    "Config and command line", "unwritable workdir (a path under a file)",
+    "exits non-zero with one line naming `workdir=...`, before compiling",
+)
 def test_unwritable_workdir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -77,6 +95,11 @@ def test_unwritable_workdir(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.reliability(
+    "Config and command line", "workdir holding a different config's run",
+    "refused with one line naming the differing field and both values; `--config.train.overwrite=True` "
+    "moves the old run to `replaced-<time>/` instead of deleting it",
+)
 def test_run_then_refuse_a_different_config_in_the_same_workdir(tmp_path):
     ok = run_cli("--config", CONFIG, "--workdir", str(tmp_path), *SMALL)
     assert ok.returncode == 0, ok.stderr

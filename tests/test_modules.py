@@ -135,6 +135,10 @@ def test_low_precision_multihead():
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.reliability(
+    "Modules", "module attributes a user can get wrong (kv heads not dividing heads, non-positive sizes, "
+    "dropout rate)", "`ValueError` naming the values, at construction",
+)
 @pytest.mark.parametrize(
     "build,message",
     [
@@ -154,6 +158,10 @@ def test_bad_module_arguments(build, message):
     assert message in str(info.value)
 
 
+@pytest.mark.reliability(
+    "Modules", "call arguments a user can get wrong (heads not dividing the width, mask shape, "
+    "mask against is_causal, batch mismatch, rank, float mask)", "`ValueError`/`TypeError` naming the shapes",
+)
 @pytest.mark.parametrize(
     "call,message",
     [

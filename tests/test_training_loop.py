@@ -66,6 +66,10 @@ def test_training_reduces_the_loss(small_run):
     assert summary["eval_mse"] < summary["untrained"]["eval_mse"]
 
 
+@pytest.mark.reliability(
+    "Checkpoints", "a run stopped and resumed (also with more steps)",
+    "ends with bit-identical parameters and the same metrics.jsonl as an uninterrupted run",
+)
 def test_resume_gives_identical_parameters(tmp_path):
     straight = tmp_path / "straight"
     train_and_evaluate(small_config(), straight)
@@ -90,6 +94,10 @@ def test_resume_gives_identical_parameters(tmp_path):
     assert metrics[0] == metrics[1]
 
 
+@pytest.mark.reliability(
+    "Training", "loss blows up before the first checkpoint",
+    "`FloatingPointError` naming the step and window; no checkpoint and no summary are written",
+)
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     config = small_config(train__optimizer="sgd", train__learning_rate=1e30)
     with pytest.raises(FloatingPointError, match=r"at step \d+ \(in the window of steps \d+-\d+\)"):

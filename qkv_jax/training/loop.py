@@ -93,6 +93,8 @@ def validate_train_config(config: Any) -> None:
             raise ConfigError(f"train.{field}={train[field]!r}: must be >= 0")
     if "warmup_steps" in train:
         validate.require_nonnegative_int(config, "train.warmup_steps")
+    if "checkify" in train:
+        validate.require_bool(config, "train.checkify")
 
 
 def make_optimizer(train: Any) -> optax.GradientTransformation:

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from absl import logging
+from jax.experimental import checkify
 
 from qkv_jax.training.checkpoints import Checkpoints
 from qkv_jax.training.loop import (
@@ -100,7 +102,9 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     the training loss of step s, computed before its update; step 0 is the
     untrained model), checkpoints/, summary.json and the experiment's pictures.
     Returns the summary. Raises ConfigError for a bad config (before anything
-    compiles) and FloatingPointError when the loss stops being finite.
+    compiles) and FloatingPointError when the loss stops being finite (with
+    `train.checkify=True`, when any operation inside the compiled step makes a
+    nan or divides by zero, naming the operation).
     """
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -129,10 +133,14 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             compiled[name] = executor.submit(timed)
         return compiled[name].result()[0] if wait else None
 
+    use_checkify = bool(train.get("checkify", False))
+
+    def build_chunk(n: int):
+        chunk = make_train_chunk(setup, n)
+        return checkify.checkify(chunk, errors=checkify.float_checks) if use_checkify else chunk
+
     def chunk_fn(n: int, wait: bool = True):
-        return compiled_fn(
-            ("chunk", n), lambda: make_train_chunk(setup, n), abstract_state, keys["data"], setup.data, wait=wait
-        )
+        return compiled_fn(("chunk", n), lambda: build_chunk(n), abstract_state, keys["data"], setup.data, wait=wait)
 
     def evaluate_fn(wait: bool = True):
         return compiled_fn(
@@ -154,6 +162,9 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             step=tree["step"], params=tree["params"], opt_state=tree["opt_state"]
         )
     start_step = int(state.step)
+    logging.info(
+        "%s", f"resuming from checkpoint step {start_step}" if restored else "starting from step 0"
+    )
     if start_step < steps:
         chunk_fn(min(length, steps - start_step), wait=False)
     timings["setup_s"] = time.perf_counter() - started
@@ -174,7 +185,16 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             n = min(length, steps - step)
             run_chunk = chunk_fn(n)
             t = time.perf_counter()
-            state, losses = run_chunk(state, keys["data"], setup.data)
+            if use_checkify:
+                error, (state, losses) = run_chunk(state, keys["data"], setup.data)
+                try:
+                    error.throw()
+                except checkify.JaxRuntimeError as found:
+                    raise FloatingPointError(
+                        f"checkify: {str(found).splitlines()[0]} (in the window of steps {step}-{step + n - 1})"
+                    ) from None
+            else:
+                state, losses = run_chunk(state, keys["data"], setup.data)
             losses = np.asarray(jax.device_get(losses))
             train_loop_s += time.perf_counter() - t
             bad = ~np.isfinite(losses)
