@@ -87,6 +87,12 @@ def get_config(arg=None):
     # Check every operation of the compiled step for nan and division by zero (slower).
     config.train.checkify = False
 
+    config.mesh = ml_collections.ConfigDict()
+    # Devices the batch is split over (-1 = all devices not used by mesh.model).
+    config.mesh.data = -1
+    # Devices the attention heads are split over (must divide model.num_heads).
+    config.mesh.model = 1
+
     config.eval = ml_collections.ConfigDict()
     # Fresh examples for the final (and untrained) evaluation.
     config.eval.num_examples = 10000

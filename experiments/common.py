@@ -77,6 +77,28 @@ def parse_flags(argv: list[str]) -> list[str]:
     return remaining
 
 
+def initialize_devices() -> None:
+    """Simulated CPU devices and jax.distributed, from the flags; before any JAX work."""
+    from absl import flags
+
+    import jax
+
+    FLAGS = flags.FLAGS
+    if FLAGS.num_cpu_devices:
+        jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+    if FLAGS.coordinator:
+        if not 0 <= FLAGS.process_id < FLAGS.num_processes:
+            fail(f"--process_id={FLAGS.process_id}: must be in [0, --num_processes={FLAGS.num_processes})", 2)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=FLAGS.coordinator,
+            num_processes=FLAGS.num_processes,
+            process_id=FLAGS.process_id,
+        )
+    elif FLAGS.num_processes != 1:
+        fail(f"--num_processes={FLAGS.num_processes} needs --coordinator host:port", 2)
+
+
 def enable_compilation_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache ('' leaves it off)."""
     if not directory:
@@ -108,6 +130,18 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
 
 def define_common_flags() -> None:
     from absl import flags
+
+    flags.DEFINE_string(
+        "coordinator", None,
+        "host:port of process 0 for a multi-process run (jax.distributed.initialize); with "
+        "--num_processes and --process_id",
+    )
+    flags.DEFINE_integer("num_processes", 1, "Processes in a multi-process run.")
+    flags.DEFINE_integer("process_id", 0, "This process's index in a multi-process run.")
+    flags.DEFINE_integer(
+        "num_cpu_devices", None,
+        "Split the CPU into this many JAX devices (jax_num_cpu_devices), to try sharding on one machine.",
+    )
 
     flags.DEFINE_string(
         "compilation_cache",

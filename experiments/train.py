@@ -4,6 +4,9 @@ r"""Train one experiment: `train_and_evaluate(config, workdir)` from the command
     [--config.model.d_k=4 ...]
 
 Re-running the same command resumes from the workdir's newest checkpoint.
+Many devices: --config.mesh.data=4 --config.mesh.model=2 (--num_cpu_devices=8
+simulates them on a CPU). Many processes: the same command on each host with
+--coordinator=HOST:PORT --num_processes=N --process_id=I.
 """
 
 from experiments import common
@@ -48,8 +51,10 @@ def describe(summary: dict, workdir: str) -> str:
 def main(argv):
     if len(argv) > 1:
         common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    common.initialize_devices()
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.training import CheckpointMismatchError, ConfigError, train_and_evaluate
+    from qkv_jax.training.sharding import is_primary
 
     try:
         summary = train_and_evaluate(FLAGS.config, FLAGS.workdir)
@@ -57,7 +62,8 @@ def main(argv):
         common.fail(str(error), code=2)
     except (FloatingPointError, CheckpointMismatchError) as error:
         common.fail(str(error))
-    print(describe(summary, FLAGS.workdir))
+    if is_primary():
+        print(describe(summary, FLAGS.workdir))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from qkv_jax.training.sharding import gather
+
 __all__ = ["CheckpointMismatchError", "CheckpointWarning", "Checkpoints", "tree_digest"]
 
 
@@ -38,7 +40,7 @@ class CheckpointMismatchError(ValueError):
 def _leaf_records(tree: Any) -> dict[str, dict]:
     records = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        array = np.asarray(leaf)
+        array = gather(leaf)
         records[jax.tree_util.keystr(path)] = {
             "shape": list(array.shape),
             "dtype": str(array.dtype),
@@ -110,11 +112,15 @@ class Checkpoints:
         """Restores the newest checkpoint that reads back and verifies.
 
         `target` is a pytree of arrays (or `jax.ShapeDtypeStruct`s) with the
-        structure, shapes and dtypes expected. Returns `(step, state)`, or None
+        structure, shapes and dtypes expected; restored arrays take its leaves'
+        shardings (so a run saved on 8 devices restores onto 1, or onto 4). Returns `(step, state)`, or None
         when there is no usable checkpoint. Raises CheckpointMismatchError when
         the newest readable checkpoint does not fit `target`.
         """
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), target)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=getattr(x, "sharding", None)),
+            target,
+        )
         for step in reversed(self.all_steps()):
             try:
                 record = self._manager.restore(

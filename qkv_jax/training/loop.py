@@ -132,12 +132,15 @@ def init_train_state(setup: Setup, tx: optax.GradientTransformation, init_key: j
     return TrainState.create(apply_fn=setup.apply, params=setup.init(init_key), tx=tx)
 
 
-def make_train_chunk(setup: Setup, length: int) -> Callable[[TrainState, jax.Array, Any], tuple]:
+def make_train_chunk(
+    setup: Setup, length: int, batch_sharding: Any = None
+) -> Callable[[TrainState, jax.Array, Any], tuple]:
     """`train_chunk(state, data_key, data) -> (state, losses [length])`: `length` steps.
 
     Step s trains on `sample_batch(split(fold_in(data_key, s))[0], data)`; dropout
     uses the other half of the split. Pure, so it can be jitted, vmapped over
-    seeds and sharded.
+    seeds and sharded: `batch_sharding` (a sharding for the stacked batches
+    `[length, batch, ...]`) splits the batch, and its generation, over devices.
     """
 
     def train_chunk(state: TrainState, data_key: jax.Array, data: Any):
@@ -146,6 +149,8 @@ def make_train_chunk(setup: Setup, length: int) -> Callable[[TrainState, jax.Arr
         steps = state.step + jnp.arange(length)
         step_keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(data_key, s)))(steps)
         batches = jax.vmap(setup.sample_batch, in_axes=(0, None))(step_keys[:, 0], data)
+        if batch_sharding is not None:
+            batches = jax.lax.with_sharding_constraint(batches, batch_sharding)
 
         def train_step(state: TrainState, inputs):
             batch, dropout_key = inputs

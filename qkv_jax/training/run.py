@@ -13,9 +13,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import checkify
+from jax.experimental import checkify, multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from qkv_jax.training.checkpoints import Checkpoints
+from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, state_shardings, to_host
 from qkv_jax.training.loop import (
     Setup,
     TrainState,
@@ -62,9 +64,9 @@ def _to_json(value: Any) -> Any:
 class _Progress:
     """A tqdm bar on a terminal, nothing otherwise."""
 
-    def __init__(self, total: int, initial: int):
+    def __init__(self, total: int, initial: int, enabled: bool = True):
         self.bar = None
-        if sys.stderr.isatty():
+        if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
@@ -95,6 +97,32 @@ def compile_for_platform(jitted: Any, *args: Any) -> Any:
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
+class _Compiler:
+    """AOT compiles in background threads (XLA compiles release the GIL), timed."""
+
+    def __init__(self):
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+        self.futures: dict[Any, concurrent.futures.Future] = {}
+
+    def get(self, name: Any, jitted: Callable[[], Any], *args: Any, wait: bool = True):
+        if name not in self.futures:
+
+            def timed():
+                t = time.perf_counter()
+                return compile_for_platform(jitted(), *args), time.perf_counter() - t
+
+            self.futures[name] = self.executor.submit(timed)
+        return self.futures[name].result()[0] if wait else None
+
+    def seconds(self) -> float:
+        return sum(f.result()[1] for f in self.futures.values() if f.done() and not f.exception())
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     """Trains the experiment `config` describes, resuming from `workdir`'s checkpoints.
 
@@ -105,52 +133,57 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     compiles) and FloatingPointError when the loss stops being finite (with
     `train.checkify=True`, when any operation inside the compiled step makes a
     nan or divides by zero, naming the operation).
+
+    `config.mesh.data` x `config.mesh.model` devices (see
+    `qkv_jax.training.sharding`) run one jitted step with explicit shardings;
+    in a multi-process run (after `jax.distributed.initialize`) every process
+    calls this, and process 0 alone writes metrics, summary and pictures.
     """
     started = time.perf_counter()
     timings: dict[str, float] = {}
     config = to_dict(config)
     setup = build_setup(config)
+    mesh = make_mesh(*mesh_shape(config))
     train = config["train"]
-    workdir = prepare_workdir(workdir, config, overwrite=train["overwrite"])
+    primary = is_primary()
+    workdir = pathlib.Path(workdir)
+    if primary:
+        prepare_workdir(workdir, config, overwrite=train["overwrite"])
+    _barrier("workdir ready")
     steps, log_every, checkpoint_every = train["steps"], train["log_every"], train["checkpoint_every"]
+    use_checkify = bool(train.get("checkify", False))
     keys = seed_keys(config["seed"])
     tx = make_optimizer(train)
-    init = jax.jit(lambda key: init_train_state(setup, tx, key))
-    abstract_state = jax.eval_shape(init, keys["init"])
 
-    # Compile the training chunk and the evaluation in threads (XLA compiles
-    # release the GIL) while this thread initialises and restores.
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=3)
-    compiled: dict[Any, concurrent.futures.Future] = {}
+    abstract_state = jax.eval_shape(lambda key: init_train_state(setup, tx, key), keys["init"])
+    state_sharding = state_shardings(abstract_state, mesh)
+    replicated = NamedSharding(mesh, P())
+    batches_sharding = NamedSharding(mesh, P(None, "data"))  # (steps, batch, ...)
+    init = jax.jit(lambda key: init_train_state(setup, tx, key), out_shardings=state_sharding)
 
-    def compiled_fn(name: Any, build: Callable[[], Any], *args: Any, wait: bool = True):
-        if name not in compiled:
+    def chunk_jit(n: int):
+        chunk = make_train_chunk(setup, n, batches_sharding)
+        if use_checkify:  # the error value's sharding is left to XLA
+            return jax.jit(checkify.checkify(chunk, errors=checkify.float_checks),
+                           in_shardings=(state_sharding, replicated, replicated))
+        return jax.jit(chunk, in_shardings=(state_sharding, replicated, replicated),
+                       out_shardings=(state_sharding, replicated))
 
-            def timed():
-                t = time.perf_counter()
-                return compile_for_platform(jax.jit(build()), *args), time.perf_counter() - t
-
-            compiled[name] = executor.submit(timed)
-        return compiled[name].result()[0] if wait else None
-
-    use_checkify = bool(train.get("checkify", False))
-
-    def build_chunk(n: int):
-        chunk = make_train_chunk(setup, n)
-        return checkify.checkify(chunk, errors=checkify.float_checks) if use_checkify else chunk
+    compiler = _Compiler()
 
     def chunk_fn(n: int, wait: bool = True):
-        return compiled_fn(("chunk", n), lambda: build_chunk(n), abstract_state, keys["data"], setup.data, wait=wait)
+        return compiler.get(("chunk", n), lambda: chunk_jit(n), abstract_state, keys["data"], setup.data, wait=wait)
 
     def evaluate_fn(wait: bool = True):
-        return compiled_fn(
-            "evaluate", lambda: setup.evaluate, abstract_state.params, keys["eval"], setup.data, wait=wait
+        jitted = lambda: jax.jit(  # noqa: E731
+            setup.evaluate, in_shardings=(state_sharding.params, replicated, replicated), out_shardings=replicated
         )
+        return compiler.get("evaluate", jitted, abstract_state.params, keys["eval"], setup.data, wait=wait)
 
     length = chunk_length(log_every, checkpoint_every)
     evaluate_fn(wait=False)
-    if setup.report is not None:  # matplotlib's import, meanwhile
-        executor.submit(importlib.import_module, "qkv_jax.plots")
+    if setup.report is not None and primary:  # matplotlib's import, meanwhile
+        compiler.executor.submit(importlib.import_module, "qkv_jax.plots")
 
     initial_state = init(keys["init"])
     checkpoints = Checkpoints(workdir / "checkpoints")
@@ -158,25 +191,22 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     restored = checkpoints.restore_latest(_checkpoint_tree(initial_state))
     if restored is not None:
         tree = restored[1]
-        state = initial_state.replace(
-            step=tree["step"], params=tree["params"], opt_state=tree["opt_state"]
-        )
-    start_step = int(state.step)
-    logging.info(
-        "%s", f"resuming from checkpoint step {start_step}" if restored else "starting from step 0"
-    )
+        state = initial_state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+    start_step = int(to_host(state.step))
+    logging.info("%s", f"resuming from checkpoint step {start_step}" if restored else "starting from step 0")
     if start_step < steps:
         chunk_fn(min(length, steps - start_step), wait=False)
     timings["setup_s"] = time.perf_counter() - started
 
     t = time.perf_counter()
-    untrained, examples_before = jax.device_get(evaluate_fn()(initial_state.params, keys["eval"], setup.data))
+    untrained, examples_before = to_host(evaluate_fn()(initial_state.params, keys["eval"], setup.data))
     timings["first_eval_s"] = time.perf_counter() - t
-    if setup.report is not None:  # drawn while the training runs
-        report_before = executor.submit(setup.report, workdir, "before", examples_before)
+    report_before = None
+    if setup.report is not None and primary:  # drawn while the training runs
+        report_before = compiler.executor.submit(setup.report, workdir, "before", examples_before)
 
-    metrics = MetricsWriter(workdir / "metrics.jsonl", start_step, log_every)
-    progress = _Progress(steps, start_step)
+    metrics = MetricsWriter(workdir / "metrics.jsonl", start_step, log_every, enabled=primary)
+    progress = _Progress(steps, start_step, enabled=primary)
     last_loss = None
     train_loop_s = 0.0
     step = start_step
@@ -187,6 +217,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             t = time.perf_counter()
             if use_checkify:
                 error, (state, losses) = run_chunk(state, keys["data"], setup.data)
+                state = jax.device_put(state, state_sharding)
                 try:
                     error.throw()
                 except checkify.JaxRuntimeError as found:
@@ -195,7 +226,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
                     ) from None
             else:
                 state, losses = run_chunk(state, keys["data"], setup.data)
-            losses = np.asarray(jax.device_get(losses))
+            losses = np.asarray(to_host(losses))
             train_loop_s += time.perf_counter() - t
             bad = ~np.isfinite(losses)
             if bad.any():
@@ -218,12 +249,12 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
         progress.close()
         metrics.close()
         checkpoints.close()
-        executor.shutdown(wait=True)
+        compiler.executor.shutdown(wait=True)
     timings["train_loop_s"] = train_loop_s
-    timings["compile_s"] = sum(f.result()[1] for f in compiled.values())
+    timings["compile_s"] = compiler.seconds()
 
     t = time.perf_counter()
-    trained, examples_after = jax.device_get(evaluate_fn()(state.params, keys["eval"], setup.data))
+    trained, examples_after = to_host(evaluate_fn()(state.params, keys["eval"], setup.data))
     timings["eval_s"] = time.perf_counter() - t
     if last_loss is None:  # nothing left to train: the run was complete
         records = read_metrics(workdir / "metrics.jsonl")
@@ -231,19 +262,23 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
 
     summary: dict[str, Any] = {
         "experiment": config.get("experiment", config["task"]["name"]),
-        "steps": int(state.step),
+        "steps": int(to_host(state.step)),
         "resumed_from_step": start_step,
         "final_loss": last_loss,
         "num_params": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
         **{f"eval_{name}": _to_json(value) for name, value in trained.items()},
         "untrained": {f"eval_{name}": _to_json(value) for name, value in untrained.items()},
     }
-    if setup.report is not None:
+    if report_before is not None:
         t = time.perf_counter()
         summary.update(report_before.result())
         summary.update(setup.report(workdir, "after", examples_after))
         timings["report_s"] = time.perf_counter() - t
     summary["wall_time_s"] = time.perf_counter() - started
     summary["timings"] = timings
-    write_json(workdir / "summary.json", summary)
+    if primary:
+        write_json(workdir / "summary.json", summary)
+    _barrier("summary written")
     return summary

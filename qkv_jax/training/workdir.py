@@ -33,9 +33,12 @@ RESUMABLE_FIELDS = (
     "train.overwrite",
     "train.progress",
     "eval.",
+    "mesh.",  # a run may resume on another device layout
 )
 # Outputs a run owns; with train.overwrite=True they are moved aside, not deleted.
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "samples.txt")
+RUN_OUTPUTS = (
+    "config.json", "metrics.jsonl", "summary.json", "checkpoints", "samples.txt", "tokenizer.json"
+)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

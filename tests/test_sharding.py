@@ -1,0 +1,174 @@
+"""Data- and head-parallel training on simulated devices and processes equals one device."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import flag_retrieval
+from qkv_jax.training import Checkpoints, ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
+from qkv_jax.training.sharding import make_mesh, mesh_shape, partition_spec, state_shardings
+from qkv_jax.training.workdir import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+OVERRIDES = {
+    "model.num_heads": 4, "train.steps": 20, "train.batch_size": 16, "train.log_every": 5,
+    "train.checkpoint_every": 10, "eval.num_examples": 64, "eval.num_plot_examples": 2,
+}
+MESHES = [(1, 1), (8, 1), (4, 2), (2, 4)]
+
+
+def config_with(**overrides):
+    config = flag_retrieval.get_config("multihead")
+    for field, value in {**OVERRIDES, **overrides}.items():
+        section, name = field.split(".")
+        config[section][name] = value
+    return config
+
+
+def run_on_devices(devices, runs):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "multidevice.py"), json.dumps({"devices": devices, "runs": runs})],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def final_state(workdir, config):
+    """The newest checkpoint, restored onto this process's single device."""
+    config = config.to_dict()
+    setup = build_setup(config)
+    state = jax.jit(lambda k: init_train_state(setup, make_optimizer(config["train"]), k))(
+        seed_keys(config["seed"])["init"]
+    )
+    target = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    return Checkpoints(pathlib.Path(workdir) / "checkpoints").restore_latest(target)
+
+
+def assert_same_run(workdir_a, workdir_b, config, atol=1e-5):
+    losses_a = [r["loss"] for r in read_metrics(pathlib.Path(workdir_a) / "metrics.jsonl")]
+    losses_b = [r["loss"] for r in read_metrics(pathlib.Path(workdir_b) / "metrics.jsonl")]
+    assert len(losses_a) == len(losses_b) > 0
+    np.testing.assert_allclose(losses_a, losses_b, atol=atol, rtol=atol)
+    (step_a, state_a), (step_b, state_b) = final_state(workdir_a, config), final_state(workdir_b, config)
+    assert step_a == step_b
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol, rtol=atol), state_a, state_b)
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    """The flag task on 8 simulated devices with each mesh, in one subprocess."""
+    root = tmp_path_factory.mktemp("meshes")
+    runs = [
+        {"workdir": str(root / f"{d}x{m}"), "config": "flag_retrieval:multihead",
+         "overrides": {**OVERRIDES, "mesh.data": d, "mesh.model": m}}
+        for d, m in MESHES
+    ]
+    run_on_devices(8, runs)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data,model", MESHES[1:])
+def test_mesh_matches_one_device(mesh_runs, data, model):
+    summary = json.loads((mesh_runs / f"{data}x{model}" / "summary.json").read_text())
+    assert summary["mesh"] == {"data": data, "model": model}
+    assert_same_run(mesh_runs / "1x1", mesh_runs / f"{data}x{model}", config_with())
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "Checkpoints", "resuming on another device count (saved on a 4 x 2 mesh of 8 devices, resumed on 1)",
+    "orbax restores onto the new layout; the run ends as an uninterrupted one-device run (1e-5)",
+)
+def test_resume_from_eight_devices_onto_one(tmp_path, mesh_runs):
+    workdir = tmp_path / "moved"
+    run_on_devices(8, [{"workdir": str(workdir), "config": "flag_retrieval:multihead",
+                        "overrides": {**OVERRIDES, "train.steps": 10, "mesh.data": 4, "mesh.model": 2}}])
+    run_on_devices(1, [{"workdir": str(workdir), "config": "flag_retrieval:multihead",
+                        "overrides": {**OVERRIDES, "mesh.data": 1, "mesh.model": 1}}])
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 10 and summary["mesh"] == {"data": 1, "model": 1}
+    assert_same_run(mesh_runs / "1x1", workdir, config_with())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, mesh_runs):
+    """2 processes x 2 devices on 127.0.0.1, through the real command line."""
+    port = free_port()
+    args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + [
+        "--config.mesh.data=2", "--config.mesh.model=2", "--compilation_cache=",
+    ]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "experiments.train", "--config", "configs/flag_retrieval.py:multihead",
+             "--workdir", str(tmp_path / "two"), "--num_cpu_devices=2", f"--coordinator=127.0.0.1:{port}",
+             "--num_processes=2", f"--process_id={i}", *args],
+            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=600) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(processes, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert "eval_accuracy" in outputs[0][0] and "eval_accuracy" not in outputs[1][0]  # process 0 reports
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["mesh"] == {"data": 2, "model": 2}
+    assert_same_run(mesh_runs / "1x1", tmp_path / "two", config_with())
+
+
+@pytest.mark.reliability(
+    "Config and command line", "mesh a machine cannot hold: batch not divisible by the data axis, heads "
+    "not divisible by the model axis, more devices than exist, two -1 axes",
+    "`ConfigError` naming the fields and values, before anything compiles",
+)
+@pytest.mark.parametrize(
+    "overrides,devices,message",
+    [
+        ({"mesh.data": 3}, 8, "train.batch_size=16 is not divisible by the data axis (mesh.data=3)"),
+        ({"mesh.data": 2, "mesh.model": 3}, 8, "model.num_heads=4 is not divisible by the model axis (mesh.model=3)"),
+        ({"mesh.data": 4, "mesh.model": 4}, 8, "mesh.data=4 x mesh.model=4: asks for more devices than the 8"),
+        ({"mesh.data": -1, "mesh.model": -1}, 8, "at most one axis"),
+        ({"mesh.model": 0}, 8, "mesh.model=0: must be a positive integer or -1"),
+    ],
+)
+def test_mesh_validation(overrides, devices, message):
+    with pytest.raises(ConfigError) as info:
+        mesh_shape(config_with(**overrides).to_dict(), num_devices=devices)
+    assert message in str(info.value)
+
+
+def test_layout_rules():
+    assert mesh_shape(config_with(**{"mesh.model": 2}).to_dict(), num_devices=8) == (4, 2)
+    assert mesh_shape(config_with(**{"mesh.data": 2, "mesh.model": -1}).to_dict(), num_devices=8) == (2, 4)
+    path = lambda *names: tuple(jax.tree_util.DictKey(n) for n in names)  # noqa: E731
+    assert partition_spec(path("attention", "query", "kernel"), (8, 4, 2), 2) == jax.sharding.PartitionSpec(None, "model", None)
+    assert partition_spec(path("attention", "out", "kernel"), (4, 2, 8), 2) == jax.sharding.PartitionSpec("model", None, None)
+    assert partition_spec(path("block_0", "mlp_in", "kernel"), (8, 32), 4) == jax.sharding.PartitionSpec(None, "model")
+    assert partition_spec(path("attention", "key", "kernel"), (8, 1, 2), 2) == jax.sharding.PartitionSpec()  # MQA
+    assert partition_spec(path("attention", "query", "kernel"), (8, 4, 2), 1) == jax.sharding.PartitionSpec()
+    # The optimizer state follows the parameters: Adam's mu/nu leaves get the same specs.
+    config = config_with().to_dict()
+    setup = build_setup(config)
+    abstract = jax.eval_shape(lambda k: init_train_state(setup, make_optimizer(config["train"]), k), seed_keys(0)["init"])
+    shardings = state_shardings(abstract, make_mesh(1, 1))
+    assert jax.tree.structure(shardings) == jax.tree.structure(abstract)
