@@ -24,7 +24,8 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "pytest-xdist>=3.5"],
+        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "tensorboardX>=2.6", "ruff>=0.6", "mypy>=1.10"],
         "parity": ["torch>=2.1"],
+        "tensorboard": ["tensorboardX>=2.6"],
     },
 )

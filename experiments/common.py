@@ -111,20 +111,22 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _quiet_orbax() -> None:
-    """Drops orbax's INFO chatter (a dozen lines per checkpoint); its warnings stay."""
+def _quiet_libraries() -> None:
+    """Drops orbax's and JAX's INFO chatter (a dozen lines per checkpoint, backend
+    probing); their warnings stay."""
     import logging
 
     logging.getLogger("absl").addFilter(
         lambda record: record.levelno >= logging.WARNING or "orbax" not in record.pathname
     )
+    logging.getLogger("jax").setLevel(logging.WARNING)
 
 
 def run_main(main: Callable[[list[str]], Any]) -> None:
     """`absl.app.run` with one-line errors for bad flags and configs."""
     from absl import app
 
-    _quiet_orbax()
+    _quiet_libraries()
     app.run(main, flags_parser=parse_flags)
 
 

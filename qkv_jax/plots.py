@@ -10,7 +10,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["plot_flag_attention", "plot_sweep_lines", "plot_sweep_heatmap"]
+__all__ = [
+    "plot_flag_attention",
+    "plot_sweep_lines",
+    "plot_sweep_heatmap",
+    "plot_loss_curves",
+    "plot_attention_maps",
+]
 
 
 def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathlib.Path:
@@ -92,6 +98,61 @@ def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, 
     ax.set_ylabel(y_field)
     ax.set_title(f"{metric} (mean over seeds)")
     fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_curves(curves: dict, path, title: str = "") -> pathlib.Path:
+    """Loss against step on a log scale; `curves` maps a label to (steps, losses)."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, (steps, losses) in curves.items():
+        ax.plot(steps, losses, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if len(curves) > 1:
+        ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_attention_maps(maps: dict, query_labels, key_labels, path, title: str = "") -> pathlib.Path:
+    """A grid of attention weights, a row per layer and a column per head.
+
+    maps: {layer name: weights `[N, T, S]`}; the labels name the T query and
+    S key positions (long label lists are thinned on the axes).
+    """
+    layers = list(maps)
+    num_heads = max(np.shape(w)[0] for w in maps.values())
+    T, S = len(query_labels), len(key_labels)
+    cell = 0.25 + 0.22 * max(S, 4)
+    fig, axes = plt.subplots(
+        len(layers), num_heads, figsize=(1.0 + cell * num_heads, 0.8 + (0.25 + 0.22 * max(T, 4)) * len(layers)),
+        squeeze=False,
+    )
+    step_q, step_k = max(1, T // 24), max(1, S // 24)
+    for row, layer in enumerate(layers):
+        weights = np.asarray(maps[layer], np.float32)
+        for head in range(num_heads):
+            ax = axes[row][head]
+            if head >= weights.shape[0]:
+                ax.axis("off")
+                continue
+            ax.imshow(weights[head], vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+            ax.set_xticks(range(0, S, step_k), labels=key_labels[::step_k], rotation=90, fontsize=6)
+            ax.set_yticks(range(0, T, step_q), labels=query_labels[::step_q], fontsize=6)
+            ax.set_title(f"{layer} head {head}", fontsize=7)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     path = pathlib.Path(path)
     fig.savefig(path, dpi=100)

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qkv_jax.diagnostics import head_diagnostics
 from qkv_jax.models import FLAG_READER_KINDS, FlagReader
 from qkv_jax.tasks.flag import flag_retrieval_batch
 from qkv_jax.training import validate
@@ -62,8 +63,10 @@ def flag_metrics(predictions, weights, batch, num_flags: int) -> dict[str, jax.A
     decode_accuracy: each predicted content slot is nearest (L2) to the content
       at its flagged position, among all positions.
     mse: mean squared error against the targets.
-    entropy: mean entropy (nats) of the attention rows, overall and per head.
+    entropy: mean entropy (nats) of the attention rows (log(seq_len) = uniform).
     flag_attention: mean attention mass on the flagged positions.
+    head_entropy, head_max_weight, head_flag_attention: the same per head
+      (`qkv_jax.diagnostics.head_diagnostics`), arrays `[N]`.
     """
     inputs, targets, positions = batch["inputs"], batch["targets"], batch["flag_positions"]
     batch_size, seq_len, d_model = inputs.shape
@@ -74,15 +77,17 @@ def flag_metrics(predictions, weights, batch, num_flags: int) -> dict[str, jax.A
     slots = predictions.reshape(batch_size, num_flags, -1)  # (B, F, C)
     distances = jnp.sum((slots[:, :, None, :] - content[:, None, :, :]) ** 2, axis=-1)  # (B, F, S)
     decoded = jnp.argmin(distances, axis=-1) == positions  # (B, F)
-    entropy = -jnp.sum(jnp.where(weights > 0, weights * jnp.log(weights), 0.0), axis=-1)  # (B, N)
+    heads = head_diagnostics(weights[:, :, None, :])  # one query row per head: (B, N, 1, S)
     flagged = jax.nn.one_hot(positions, seq_len).sum(axis=1)  # (B, S)
     return {
         "accuracy": accuracy.mean(),
         "decode_accuracy": decoded.mean(),
         "mse": jnp.mean((predictions - targets) ** 2),
-        "entropy": entropy.mean(),
-        "entropy_per_head": entropy.mean(axis=0),  # (N,)
+        "entropy": heads["entropy"].mean(),
         "flag_attention": jnp.sum(mean_weights * flagged, axis=-1).mean(),
+        "head_entropy": heads["entropy"],  # (N,)
+        "head_max_weight": heads["max_weight"],  # (N,)
+        "head_flag_attention": jnp.sum(weights * flagged[:, None, :], axis=-1).mean(axis=0),  # (N,)
     }
 
 
@@ -138,6 +143,15 @@ def build(config: Any) -> Setup:
         )
         return {}
 
+    def inspect(params, text):
+        """One fresh example; `text` is its seed (default 0)."""
+        seed = int(text) if text else 0
+        batch = sample(jax.random.PRNGKey(seed), 1)
+        _, weights = jax.jit(forward)(params, batch["inputs"])  # (1, N, S)
+        flagged = {int(p): f for f, p in enumerate(batch["flag_positions"][0])}
+        keys = [f"{s}" + (f" (flag {flagged[s]})" if s in flagged else "") for s in range(seq_len)]
+        return {"attention": weights[0][:, None, :]}, ["query"], keys  # (N, 1, S)
+
     return Setup(
         init=init,
         sample_batch=lambda key, data: sample(key, train["batch_size"]),
@@ -145,4 +159,5 @@ def build(config: Any) -> Setup:
         evaluate=evaluate,
         apply=model.apply,
         report=report,
+        inspect=inspect,
     )

@@ -63,6 +63,10 @@ class Setup:
       data: a pytree of arrays the functions above read (a text corpus, say),
         passed to them as an argument so that it is never baked into the
         compiled program as a constant.
+      inspect: optional `inspect(params, text) -> (maps, query_labels,
+        key_labels)` for `experiments.inspect`: the attention weights
+        `{layer: [N, T, S]}` of one input (`text` as the experiment reads it,
+        or None for a default one), with a label per position.
     """
 
     init: Callable[[jax.Array], Params]
@@ -72,6 +76,7 @@ class Setup:
     apply: Callable[..., Any]
     report: Callable[..., dict] | None = None
     data: Any = dataclasses.field(default_factory=dict)
+    inspect: Callable[..., tuple[dict, list[str], list[str]]] | None = None
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")

@@ -245,6 +245,10 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             progress.update(n, last_loss)
             if step % checkpoint_every == 0 or step == steps:
                 checkpoints.save(step, _checkpoint_tree(state))
+        t = time.perf_counter()
+        trained, examples_after = to_host(evaluate_fn()(state.params, keys["eval"], setup.data))
+        timings["eval_s"] = time.perf_counter() - t
+        metrics.write_scalars("eval", {k: _to_json(v) for k, v in trained.items()}, step)
     finally:
         progress.close()
         metrics.close()
@@ -252,10 +256,6 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
         compiler.executor.shutdown(wait=True)
     timings["train_loop_s"] = train_loop_s
     timings["compile_s"] = compiler.seconds()
-
-    t = time.perf_counter()
-    trained, examples_after = to_host(evaluate_fn()(state.params, keys["eval"], setup.data))
-    timings["eval_s"] = time.perf_counter() - t
     if last_loss is None:  # nothing left to train: the run was complete
         records = read_metrics(workdir / "metrics.jsonl")
         last_loss = records[-1]["loss"] if records else math.nan

@@ -37,7 +37,8 @@ RESUMABLE_FIELDS = (
 )
 # Outputs a run owns; with train.overwrite=True they are moved aside, not deleted.
 RUN_OUTPUTS = (
-    "config.json", "metrics.jsonl", "summary.json", "checkpoints", "samples.txt", "tokenizer.json"
+    "config.json", "metrics.jsonl", "summary.json", "checkpoints", "samples.txt", "tokenizer.json",
+    "tensorboard", "report.json",
 )
 
 
@@ -143,7 +144,10 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line.
+    """Appends one JSON object per line, and the same scalars to TensorBoard.
+
+    TensorBoard event files go to `<workdir>/tensorboard/` when tensorboardX
+    is installed (`pip install 'qkv_jax[tensorboard]'`; no TensorFlow needed).
 
     On resume from `start_step` it keeps the earlier records on the `log_every`
     grid and drops the rest (records a killed run wrote past its checkpoint, and
@@ -154,6 +158,7 @@ class MetricsWriter:
     def __init__(self, path: str | pathlib.Path, start_step: int, log_every: int, enabled: bool = True):
         self.path = pathlib.Path(path)
         self.enabled = enabled
+        self._tensorboard = None
         if not enabled:
             return
         kept = [
@@ -163,6 +168,11 @@ class MetricsWriter:
         ]
         self._write_all(kept)
         self._file = open(self.path, "a")
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            return
+        self._tensorboard = SummaryWriter(logdir=str(self.path.parent / "tensorboard"), purge_step=start_step)
 
     def _write_all(self, records: Iterable[dict]) -> None:
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
@@ -171,10 +181,24 @@ class MetricsWriter:
         os.replace(f.name, self.path)
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(f"train/{name}", value, record["step"])
+
+    def write_scalars(self, prefix: str, values: dict, step: int) -> None:
+        """Scalar entries of `values` (evaluation metrics, say) to TensorBoard only."""
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{prefix}/{name}", value, step)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
