@@ -65,7 +65,7 @@ def assert_attention_weights(weights: Any, mask: Any = None, *, atol: float | No
             )
 
     row_sums = weights.sum(axis=-1)
-    has_key = allowed.any(axis=-1)
+    has_key = np.asarray(allowed.any(axis=-1))
     error = np.where(has_key, np.abs(row_sums - 1.0), np.abs(row_sums))
     if (error > atol).any():
         index = np.unravel_index(np.argmax(error), error.shape)

@@ -8,7 +8,8 @@ dims `[batch..., S, D]`; `jax.vmap` of `apply` over a batch equals the batched
   SelfAttentionV1        raw `W_query`, `W_key`, `W_value` matrices [d_in, d_out].
   SelfAttention          the same through `nn.Dense` layers (seed 002's v2).
   LearnedQueryAttention  one learned query vector reads a sequence (seed 000).
-  MultiHeadAttention     N heads, grouped K/V heads, output projection W_O.
+  MultiHeadAttention     N heads, grouped K/V heads, output projection W_O,
+                         optional latent K/V (MLA) and a KV cache for decoding.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import checkify
 
-from qkv_jax.attention import dot_product_attention
+from qkv_jax.attention import combine_masks, dot_product_attention
 
 Array = jax.Array
 Dtype = Any
@@ -31,6 +34,7 @@ __all__ = [
     "SelfAttention",
     "LearnedQueryAttention",
     "MultiHeadAttention",
+    "decode_positions",
     "torch_linear_init",
 ]
 
@@ -265,12 +269,44 @@ class LearnedQueryAttention(nn.Module):
         return output[..., 0, :], weights[..., 0, :]  # (..., d_v), (..., S)
 
 
+def decode_positions(module: nn.Module, length: int, capacity: int) -> tuple[Array, Array]:
+    """Positions `[length]` of the next tokens in a decode cache, and whether they fit.
+
+    Reads and advances the int32 scalar `index` in `module`'s 'cache'
+    collection (positions already filled). The first call (inside `init`)
+    creates the index at 0 and returns `arange(length)` and None. Appending
+    past `capacity` is an error: a ValueError when the index is concrete (an
+    eager `apply`); under `jit` the index is traced, so the returned flag is
+    False (the caller then keeps its cache and returns NaN) and
+    `checkify.checkify` raises.
+    """
+    initialized = module.has_variable("cache", "index")
+    index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    if not initialized:
+        return jnp.arange(length), None
+    start = index.value
+    fits = start + length <= capacity
+    message = (
+        f"{type(module).__name__}: decoding {length} position(s) from position {{start}} "
+        f"overflows the cache of max length {capacity}"
+    )
+    if isinstance(start, jax.core.Tracer):
+        checkify.debug_check(fits, message, start=start)
+    elif not fits:
+        raise ValueError(message.format(start=int(start)))
+    index.value = start + length
+    return start + jnp.arange(length), fits  # (T,), ()
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with learned W_Q, W_K, W_V per head and W_O.
 
     Parameter layout is `flax.linen.MultiHeadDotProductAttention`'s:
       query kernel `[D, N, H]`, key and value kernels `[D, K, H]` / `[D, K, Hv]`,
       out kernel `[N, Hv, D_out]` (biases `[N, H]`, `[K, H]`, `[K, Hv]`, `[D_out]`).
+    With `kv_latent_dim` = C (multi-head latent attention, MLA) a 'kv_latent'
+    kernel `[D, C]` maps each position to a latent, and K and V are
+    reconstructed from it: key and value kernels `[C, K, H]` / `[C, K, Hv]`.
 
     Attributes:
       num_heads: N, query heads.
@@ -278,7 +314,8 @@ class MultiHeadAttention(nn.Module):
       num_kv_heads: K key/value heads, dividing N (default N; 1 = multi-query).
       v_head_dim: Hv; defaults to `head_dim`.
       out_features: D_out; defaults to D.
-      use_bias: biases on all four projections.
+      kv_latent_dim: C, the per-position latent of MLA; None = plain K/V projections.
+      use_bias: biases on all projections.
       is_causal: apply a causal mask (queries are the last T of S positions).
       dropout_rate: dropout on the attention weights when not deterministic
         (uses the 'dropout' rng stream).
@@ -286,10 +323,20 @@ class MultiHeadAttention(nn.Module):
       sow_weights: sow attention weights `[batch..., N, T, S]` into
         `intermediates/attention_weights`.
 
-    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True)`:
+    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False)`:
     `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]` (defaults to
     `inputs_q`), `mask` boolean broadcastable to `[batch..., N, T, S]`;
     returns `[batch..., T, D_out]`.
+
+    Decoding (`decode=True`: causal self-attention) keeps a KV cache in the
+    'cache' collection: `cached_key` `[batch..., L, K, H]` and `cached_value`
+    `[batch..., L, K, Hv]` (sized by the K kv heads), or for MLA only
+    `cached_latent` `[batch..., L, C]`, and `index`, the positions filled.
+    `init(..., decode=True)` on an input of length L creates the cache (and
+    returns the full causal pass); each `apply(..., decode=True,
+    mutable=['cache'])` then appends its T positions (a prompt, then one token
+    at a time) and attends to all cached ones; `mask` then broadcasts to
+    `[batch..., N, T, L]`. Appending past L raises (see `decode_positions`).
     """
 
     num_heads: int
@@ -297,6 +344,7 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: int | None = None
     v_head_dim: int | None = None
     out_features: int | None = None
+    kv_latent_dim: int | None = None
     use_bias: bool = True
     is_causal: bool = False
     dropout_rate: float = 0.0
@@ -315,6 +363,7 @@ class MultiHeadAttention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             v_head_dim=self.v_head_dim,
             out_features=self.out_features,
+            kv_latent_dim=self.kv_latent_dim,
         )
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -335,7 +384,7 @@ class MultiHeadAttention(nn.Module):
             )
         return features // self.num_heads
 
-    def _projection(self, features: tuple[int, ...], name: str, axis: Any = -1) -> nn.DenseGeneral:
+    def _projection(self, features: Any, name: str, axis: Any = -1) -> nn.DenseGeneral:
         return nn.DenseGeneral(
             features,
             axis=axis,
@@ -347,8 +396,74 @@ class MultiHeadAttention(nn.Module):
             name=name,
         )
 
+    def _check_decode(self, inputs_kv: Array | None) -> None:
+        if inputs_kv is not None:
+            raise ValueError("MultiHeadAttention: decode=True is self-attention; pass no inputs_kv")
+        if not self.is_causal:
+            raise ValueError(
+                "MultiHeadAttention: decode=True needs is_causal=True (a cache holds only the past)"
+            )
+
+    def _cache(self, entries: dict[str, Array], mask: Array | None, axis: int):
+        """Appends per-position `entries` (position axis `axis`, length T) to the decode cache.
+
+        Returns the entries of all L cached positions, the mask `[T, L]` (a
+        query sees the filled positions up to its own, combined with `mask`),
+        and whether the T positions fit. On the `init` call, which creates the
+        cache with L = T, returns `entries`, `mask` and None.
+        """
+        cached = {
+            name: self.variable("cache", f"cached_{name}", jnp.zeros, x.shape, x.dtype)
+            for name, x in entries.items()
+        }
+        length = next(iter(entries.values())).shape[axis]
+        capacity = next(iter(cached.values())).value.shape[axis]
+        positions, fits = decode_positions(self, length, capacity)  # (T,), ()
+        if fits is None:  # the init call, which created the cache
+            return entries, mask, None
+        for name, x in entries.items():
+            full = cached[name].value.shape
+            if x.shape[:axis] + x.shape[axis + 1 :] != full[:axis] + full[axis + 1 :]:
+                raise ValueError(
+                    f"MultiHeadAttention: decode input gives {name} of shape {x.shape}, which does "
+                    f"not fit the cache of shape {full} (batch dims and widths must match)"
+                )
+        for name, x in entries.items():
+            old = lax.dynamic_slice_in_dim(cached[name].value, positions[0], length, axis)
+            written = jnp.where(fits, x, old)  # an overflow leaves the cache as it was
+            cached[name].value = lax.dynamic_update_slice_in_dim(
+                cached[name].value, written, positions[0], axis
+            )
+        visible = jnp.arange(capacity)[None, :] <= positions[:, None]  # (T, L)
+        return {name: c.value for name, c in cached.items()}, combine_masks(mask, visible), fits
+
+    def _keys_and_values(self, inputs_kv: Array, mask: Array | None, decode: bool, head_dim: int):
+        """K `[batch..., S, K, H]`, V `[batch..., S, K, Hv]`, the mask, and the cache's fit flag
+        (None when not decoding from a cache)."""
+        axis = inputs_kv.ndim - 2  # the position axis of everything cached
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        v_head_dim = self.v_head_dim or head_dim
+        key_projection = self._projection((num_kv_heads, head_dim), "key")
+        value_projection = self._projection((num_kv_heads, v_head_dim), "value")
+        fits = None
+        if self.kv_latent_dim is None:
+            entries = {
+                "key": key_projection(inputs_kv),  # (..., S, K, H)
+                "value": value_projection(inputs_kv),  # (..., S, K, Hv)
+            }
+            if decode:
+                entries, mask, fits = self._cache(entries, mask, axis)
+            return entries["key"], entries["value"], mask, fits
+        latent = self._projection(self.kv_latent_dim, "kv_latent")(inputs_kv)  # (..., S, C)
+        if decode:
+            entries, mask, fits = self._cache({"latent": latent}, mask, axis)
+            latent = entries["latent"]  # (..., L, C)
+        return key_projection(latent), value_projection(latent), mask, fits
+
     @nn.compact
-    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True):
+    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False):
+        if decode:
+            self._check_decode(inputs_kv)
         inputs_kv = inputs_q if inputs_kv is None else inputs_kv
         _check_inputs("MultiHeadAttention", "inputs_q", inputs_q)
         _check_inputs("MultiHeadAttention", "inputs_kv", inputs_kv)
@@ -359,18 +474,14 @@ class MultiHeadAttention(nn.Module):
             )
         features = inputs_q.shape[-1]
         head_dim = self.resolved_head_dim(features)
-        num_kv_heads = self.num_kv_heads or self.num_heads
-        v_head_dim = self.v_head_dim or head_dim
-
         query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
-        key = self._projection((num_kv_heads, head_dim), "key")(inputs_kv)  # (..., S, K, H)
-        value = self._projection((num_kv_heads, v_head_dim), "value")(inputs_kv)  # (..., S, K, Hv)
+        key, value, mask, fits = self._keys_and_values(inputs_kv, mask, decode, head_dim)
         attended = dot_product_attention(
             query,
             key,
             value,
             mask=mask,
-            is_causal=self.is_causal,
+            is_causal=self.is_causal and fits is None,  # a cache's mask is already causal
             scale=self.scale,
             **_dropout(self, self.dropout_rate, deterministic),
             return_weights=self.sow_weights,
@@ -381,4 +492,5 @@ class MultiHeadAttention(nn.Module):
         else:
             output = attended  # (..., T, N, Hv)
         out_features = self.out_features or features
-        return self._projection(out_features, "out", axis=(-2, -1))(output)  # (..., T, D_out)
+        output = self._projection(out_features, "out", axis=(-2, -1))(output)  # (..., T, D_out)
+        return output if fits is None else jnp.where(fits, output, jnp.nan)

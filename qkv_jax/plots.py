@@ -19,6 +19,13 @@ __all__ = [
 ]
 
 
+def _save(fig, path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathlib.Path:
     """Heatmap of attention weights `[examples, heads, S]`, one panel per head.
 
@@ -43,14 +50,11 @@ def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathl
         if head == 0:
             ax.set_ylabel("example")
         ax.set_title(f"head {head}" if num_heads > 1 else "attention weights")
-    fig.colorbar(image, cax=fig.add_axes([0.87, 0.2, 0.025, 0.62]), label="weight")
+    fig.colorbar(image, cax=fig.add_axes((0.87, 0.2, 0.025, 0.62)), label="weight")
     if title:
         fig.suptitle(title)
     fig.subplots_adjust(left=0.12, right=0.84, bottom=0.2, top=0.82, wspace=0.25)
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_sweep_lines(points, x_field: str, series_field: str | None, metric: str, path) -> pathlib.Path:
@@ -77,10 +81,7 @@ def plot_sweep_lines(points, x_field: str, series_field: str | None, metric: str
         ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, path) -> pathlib.Path:
@@ -99,10 +100,7 @@ def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, 
     ax.set_title(f"{metric} (mean over seeds)")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_loss_curves(curves: dict, path, title: str = "") -> pathlib.Path:
@@ -119,10 +117,7 @@ def plot_loss_curves(curves: dict, path, title: str = "") -> pathlib.Path:
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_attention_maps(maps: dict, query_labels, key_labels, path, title: str = "") -> pathlib.Path:
@@ -154,7 +149,4 @@ def plot_attention_maps(maps: dict, query_labels, key_labels, path, title: str =
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -27,6 +27,7 @@ from qkv_jax.training import (
     seed_keys,
     train_and_evaluate,
 )
+from qkv_jax.training.report import load_checkpoint
 from qkv_jax.training.workdir import MetricsWriter, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -54,8 +55,7 @@ def checkpoint_target(config):
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
-def restore(workdir, config):
-    return Checkpoints(pathlib.Path(workdir) / "checkpoints").restore_latest(checkpoint_target(config))
+restore = load_checkpoint
 
 
 def assert_same_state(a, b):

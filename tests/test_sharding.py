@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from configs import flag_retrieval
-from qkv_jax.training import Checkpoints, ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
+from qkv_jax.training import ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
+from qkv_jax.training.report import load_checkpoint
 from qkv_jax.training.sharding import make_mesh, mesh_shape, partition_spec, state_shardings
 from qkv_jax.training.workdir import read_metrics
 
@@ -41,15 +42,7 @@ def run_on_devices(devices, runs):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def final_state(workdir, config):
-    """The newest checkpoint, restored onto this process's single device."""
-    config = config.to_dict()
-    setup = build_setup(config)
-    state = jax.jit(lambda k: init_train_state(setup, make_optimizer(config["train"]), k))(
-        seed_keys(config["seed"])["init"]
-    )
-    target = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    return Checkpoints(pathlib.Path(workdir) / "checkpoints").restore_latest(target)
+final_state = load_checkpoint  # the newest checkpoint, restored onto this process's one device
 
 
 def assert_same_run(workdir_a, workdir_b, config, atol=1e-5):

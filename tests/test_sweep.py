@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs import flag_retrieval
-from qkv_jax.training import Checkpoints, init_train_state, make_optimizer, seed_keys, train_and_evaluate
-from qkv_jax.training.run import build_setup
+from qkv_jax.training import train_and_evaluate
+from qkv_jax.training.report import load_checkpoint
 from qkv_jax.training.seeds import train_seeds
 from qkv_jax.training.sweep import apply_overrides, grid, parse_sweep_arg, run_sweep
 from qkv_jax.training.validate import ConfigError
@@ -37,10 +37,7 @@ def test_vmapped_seeds_equal_training_each_seed_alone(tmp_path):
         alone = config.to_dict()
         alone["seed"] = seed
         summary = train_and_evaluate(alone, tmp_path / f"seed{seed}")
-        setup = build_setup(alone)
-        template = init_train_state(setup, make_optimizer(alone["train"]), seed_keys(seed)["init"])
-        target = {"step": template.step, "params": template.params, "opt_state": template.opt_state}
-        _, state = Checkpoints(tmp_path / f"seed{seed}" / "checkpoints").restore_latest(target)
+        _, state = load_checkpoint(tmp_path / f"seed{seed}", alone)
         jax.tree.map(
             lambda vmapped, single: np.testing.assert_allclose(vmapped[index], single, atol=1e-6, rtol=0),
             together["params"],

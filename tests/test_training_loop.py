@@ -18,6 +18,7 @@ from qkv_jax.training import (
     seed_keys,
     train_and_evaluate,
 )
+from qkv_jax.training.report import load_checkpoint
 
 
 def small_config(variant=None, **overrides):
@@ -79,15 +80,8 @@ def test_resume_gives_identical_parameters(tmp_path):
     second = train_and_evaluate(small_config(), resumed)
     assert second["resumed_from_step"] == 10 and second["steps"] == 20
 
-    def final_state(workdir):
-        config = small_config().to_dict()
-        setup = build_setup(config)
-        state = init_train_state(setup, make_optimizer(config["train"]), seed_keys(0)["init"])
-        target = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-        return Checkpoints(workdir / "checkpoints").restore_latest(target)
-
-    step_a, state_a = final_state(straight)
-    step_b, state_b = final_state(resumed)
+    step_a, state_a = load_checkpoint(straight, small_config())
+    step_b, state_b = load_checkpoint(resumed, small_config())
     assert step_a == step_b == 20
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
     metrics = [(tmp / "metrics.jsonl").read_text() for tmp in (straight, resumed)]

@@ -20,15 +20,29 @@ import numpy as np
 
 from qkv_jax.training.checkpoints import Checkpoints
 from qkv_jax.training.loop import init_train_state, make_optimizer, seed_keys
-from qkv_jax.training.run import build_setup
+from qkv_jax.training.run import build_setup, to_dict
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_metrics, write_json
 
-__all__ = ["load_run", "report_run", "report_sweep", "inspect_run", "is_sweep"]
+__all__ = ["load_checkpoint", "load_run", "report_run", "report_sweep", "inspect_run", "is_sweep"]
 
 
 def is_sweep(workdir: str | pathlib.Path) -> bool:
     return (pathlib.Path(workdir) / "sweep.json").exists()
+
+
+def load_checkpoint(workdir: str | pathlib.Path, config: Any) -> tuple[int, dict] | None:
+    """The newest usable checkpoint of `workdir`, restored for `config`'s model on
+    this process's devices: `(step, {"step", "params", "opt_state"})`, or None."""
+    config = to_dict(config)
+    setup = build_setup(config)
+    tx = make_optimizer(config["train"])
+    state = jax.jit(lambda key: init_train_state(setup, tx, key))(seed_keys(config["seed"])["init"])
+    checkpoints = Checkpoints(pathlib.Path(workdir) / "checkpoints")
+    try:
+        return checkpoints.restore_latest({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+    finally:
+        checkpoints.close()
 
 
 def load_run(workdir: str | pathlib.Path) -> tuple[dict, Any, Any, int]:
@@ -37,16 +51,11 @@ def load_run(workdir: str | pathlib.Path) -> tuple[dict, Any, Any, int]:
     if not (workdir / "config.json").exists():
         raise ConfigError(f"workdir={str(workdir)!r}: no config.json; is it a run's workdir?")
     config = json.loads((workdir / "config.json").read_text())
-    setup = build_setup(config)
-    tx = make_optimizer(config["train"])
-    state = jax.jit(lambda key: init_train_state(setup, tx, key))(seed_keys(config["seed"])["init"])
-    restored = Checkpoints(workdir / "checkpoints").restore_latest(
-        {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    )
+    restored = load_checkpoint(workdir, config)
     if restored is None:
         raise ConfigError(f"workdir={str(workdir)!r}: no usable checkpoint in checkpoints/")
     step, tree = restored
-    return config, setup, tree["params"], int(step)
+    return config, build_setup(config), tree["params"], int(step)
 
 
 def _json(value: Any) -> Any:

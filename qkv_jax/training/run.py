@@ -35,6 +35,9 @@ __all__ = ["TASKS", "build_setup", "train_and_evaluate", "to_dict"]
 # task.name -> module whose build(config) returns the Setup.
 TASKS = {
     "flag_retrieval": "qkv_jax.training.flag_retrieval",
+    "char_lm": "qkv_jax.training.char_lm",
+    "copy": "qkv_jax.training.lm_tasks",
+    "brackets": "qkv_jax.training.lm_tasks",
 }
 
 
@@ -271,7 +274,7 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
         **{f"eval_{name}": _to_json(value) for name, value in trained.items()},
         "untrained": {f"eval_{name}": _to_json(value) for name, value in untrained.items()},
     }
-    if report_before is not None:
+    if report_before is not None and setup.report is not None:
         t = time.perf_counter()
         summary.update(report_before.result())
         summary.update(setup.report(workdir, "after", examples_after))

@@ -101,7 +101,7 @@ def partition_spec(path, shape: tuple[int, ...], model_size: int) -> P:
     axis = _SHARDED_AXIS.get((names[-2], names[-1], len(shape)))
     if axis is None or shape[axis] % model_size:
         return P()
-    spec = [None] * len(shape)
+    spec: list[str | None] = [None] * len(shape)
     spec[axis] = "model"
     return P(*spec)
 

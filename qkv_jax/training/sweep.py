@@ -117,7 +117,7 @@ def _steps_to_threshold(steps: list[int], curve: list[float], threshold: float) 
     return math.nan
 
 
-def summarize(cell: dict[str, Any], result: dict) -> dict:
+def summarize(cell: dict[str, Any], result: dict) -> dict[str, Any]:
     """The results row of a finished cell."""
     row: dict[str, Any] = {"cell": cell, "status": "done", "seeds": result["seeds"]}
     row["final_loss"] = result["final_loss"]
@@ -184,7 +184,7 @@ def run_sweep(
             cell_config = apply_overrides(base, cell)
             build_setup(cell_config)
         except ConfigError as error:
-            row = {"cell": cell, "status": "skipped", "reason": str(error)}
+            row: dict[str, Any] = {"cell": cell, "status": "skipped", "reason": str(error)}
             log(f"[{index + 1}/{len(cells)}] {name}: skipped ({error})")
         else:
             row = summarize(cell, train_seeds(cell_config, seeds))

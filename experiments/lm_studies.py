@@ -1,0 +1,59 @@
+r"""Seed 001's claims about the char LM, measured: the causal mask, and K/V head sharing.
+
+  python -m experiments.lm_studies causal_mask --workdir runs/causal_mask
+  python -m experiments.lm_studies kv_heads --workdir runs/kv_heads
+
+Each study trains `--config` (default configs/char_lm.py:study; any
+`--config.<field>=` override applies to every run) once per arm, in
+<workdir>/<arm>/ (re-running resumes), then writes <workdir>/results.json,
+results.md (a table) and PNG plots.
+
+  causal_mask  the same model with and without the causal mask: training loss,
+               honest (causal) validation loss, and what generation produces.
+  kv_heads     num_heads=8 with num_kv_heads 8, 4, 2, 1 (MHA, GQA, MQA) and MLA
+               with two latent sizes: validation loss, KV-cache bytes per token,
+               decode tokens/s.
+"""
+
+from experiments import common
+
+common.use_tcmalloc()
+
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+STUDIES = ("causal_mask", "kv_heads")  # qkv_jax.training.lm_studies.STUDIES, without importing jax yet
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", "configs/char_lm.py:study", "Base char_lm config of every run.", lock_config=True
+)
+flags.DEFINE_string("workdir", None, "Directory for the runs and the results.")
+common.define_common_flags()
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] not in STUDIES:
+        common.fail(f"give one study: {' or '.join(STUDIES)} (got {argv[1:]})", code=2)
+    common.enable_compilation_cache(FLAGS.compilation_cache)
+    from qkv_jax.training import ConfigError, lm_studies
+    from qkv_jax.training.run import to_dict
+
+    study, workdir = argv[1], pathlib.Path(FLAGS.workdir)
+    base = to_dict(FLAGS.config)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        results = getattr(lm_studies, study)(base, workdir)
+    except ConfigError as error:
+        common.fail(str(error), code=2)
+    overrides = " ".join(a for a in sys.argv[1:] if a.startswith("--config"))
+    command = f"python -m experiments.lm_studies {study} --workdir {FLAGS.workdir} {overrides}".strip()
+    record = lm_studies.write_results(workdir, results, command)
+    print("\n".join(record["table"]))
+    print(f"wrote {workdir}/results.json, results.md, {study}.png")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

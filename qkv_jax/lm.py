@@ -1,0 +1,324 @@
+"""A small causal language model: pre-LayerNorm transformer blocks, KV-cache sampling.
+
+  TransformerBlock  x + Dropout(MHA(LN(x))), then x + Dropout(MLP(LN(x))).
+  TransformerLM     token + learned position embeddings, blocks, LN, vocabulary head.
+  init_cache        the zeroed decode cache of a TransformerLM for a batch size.
+  generate          prompt -> sampled tokens, the token loop inside one `lax.scan`
+                    (`check_generate_args`: its host-side checks).
+
+Decoding follows flax's `decode=True` convention: the cache lives in the
+'cache' collection (each attention layer's K and V, sized by `num_kv_heads`,
+or its MLA latent; see `MultiHeadAttention`), created by `init_cache` with
+room for `max_len` positions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qkv_jax.modules import MultiHeadAttention, _check_positive, decode_positions
+
+Array = jax.Array
+Dtype = Any
+
+__all__ = [
+    "TransformerBlock",
+    "TransformerLM",
+    "init_cache",
+    "kv_cache_bytes_per_token",
+    "sample_logits",
+    "sample_tokens",
+    "check_generate_args",
+    "generate",
+]
+
+embedding_init = nn.initializers.normal(stddev=0.02)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm transformer block on `[batch..., T, D]` (output the same shape).
+
+    Attributes:
+      num_heads, num_kv_heads, kv_latent_dim: the attention's heads (see
+        `MultiHeadAttention`); head depth D // num_heads.
+      mlp_dim: hidden width of the GELU MLP; default 4 D.
+      causal: causal self-attention.
+      dropout_rate: dropout on both residual branches.
+      attention_dropout_rate: dropout on the attention weights.
+    """
+
+    num_heads: int
+    num_kv_heads: int | None = None
+    kv_latent_dim: int | None = None
+    mlp_dim: int | None = None
+    causal: bool = True
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True, decode: bool = False):
+        width = x.shape[-1]
+        norm = functools.partial(nn.LayerNorm, dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype)
+        h = norm(name="attention_norm")(x)
+        h = MultiHeadAttention(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            kv_latent_dim=self.kv_latent_dim,
+            is_causal=self.causal,
+            dropout_rate=self.attention_dropout_rate,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="attention",
+        )(h, deterministic=deterministic, decode=decode)  # (..., T, D)
+        x = x + nn.Dropout(self.dropout_rate)(h, deterministic)
+        h = norm(name="mlp_norm")(x)
+        h = nn.gelu(dense(self.mlp_dim or 4 * width, name="mlp_in")(h))  # (..., T, mlp_dim)
+        h = dense(width, name="mlp_out")(h)  # (..., T, D)
+        return x + nn.Dropout(self.dropout_rate)(h, deterministic)
+
+
+class TransformerLM(nn.Module):
+    """Next-token model: tokens `[batch..., T]` (int) -> logits `[batch..., T, vocab_size]` (f32).
+
+    Token embedding plus a learned position embedding `[max_len, d_model]`,
+    `num_layers` `TransformerBlock`s, a final LayerNorm and a bias-free head.
+
+    Attributes:
+      vocab_size, num_layers, d_model: sizes; num_heads must divide d_model.
+      num_heads, num_kv_heads, kv_latent_dim: the attention (MHA; GQA/MQA with
+        num_kv_heads < num_heads; MLA with a latent; see `MultiHeadAttention`).
+      max_len: positions of the embedding table and of the decode cache.
+      mlp_dim: MLP hidden width (default 4 d_model).
+      causal: causal self-attention (False: every position sees every other).
+      dropout_rate, attention_dropout_rate: dropout on embeddings and residual
+        branches, and on the attention weights, when not deterministic.
+
+    `__call__(tokens, deterministic=True, decode=False)`; with `decode` the
+    positions continue from the cache (`init_cache`, `generate`).
+    """
+
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    max_len: int = 256
+    mlp_dim: int | None = None
+    kv_latent_dim: int | None = None
+    causal: bool = True
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    def __post_init__(self):
+        _check_positive(
+            "TransformerLM",
+            vocab_size=self.vocab_size,
+            num_layers=self.num_layers,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            max_len=self.max_len,
+            mlp_dim=self.mlp_dim,
+            kv_latent_dim=self.kv_latent_dim,
+        )
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"TransformerLM: num_heads={self.num_heads} must divide d_model={self.d_model}"
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TransformerLM: num_kv_heads={self.num_kv_heads} must divide "
+                f"num_heads={self.num_heads}"
+            )
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"TransformerLM: {name} must be in [0, 1), got {getattr(self, name)!r}")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, tokens, deterministic: bool = True, decode: bool = False):
+        if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim < 1:
+            raise ValueError(
+                f"TransformerLM: tokens must be integers [batch..., T], got "
+                f"{tokens.dtype}{list(tokens.shape)}"
+            )
+        length = tokens.shape[-1]
+        if decode:
+            positions, _ = decode_positions(self, length, self.max_len)  # (T,)
+        elif length > self.max_len:
+            raise ValueError(
+                f"TransformerLM: sequence length {length} exceeds max_len={self.max_len}"
+            )
+        else:
+            positions = jnp.arange(length)  # (T,)
+        token_embedding = nn.Embed(
+            self.vocab_size, self.d_model, embedding_init=embedding_init,
+            dtype=self.dtype, param_dtype=self.param_dtype, name="token_embedding",
+        )
+        position_table = self.param(
+            "position_embedding", embedding_init, (self.max_len, self.d_model), self.param_dtype
+        )
+        x = token_embedding(tokens) + jnp.take(position_table, positions, axis=0)  # (..., T, D)
+        x = nn.Dropout(self.dropout_rate)(x, deterministic)
+        for layer in range(self.num_layers):
+            x = TransformerBlock(
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                kv_latent_dim=self.kv_latent_dim,
+                mlp_dim=self.mlp_dim,
+                causal=self.causal,
+                dropout_rate=self.dropout_rate,
+                attention_dropout_rate=self.attention_dropout_rate,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=f"block_{layer}",
+            )(x, deterministic, decode)  # (..., T, D)
+        x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm")(x)
+        logits = nn.Dense(
+            self.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            name="head",
+        )(x)  # (..., T, V)
+        return logits.astype(jnp.float32)
+
+
+def init_cache(model: TransformerLM, batch_size: int) -> dict:
+    """The decode cache for `batch_size` sequences of up to `model.max_len` tokens, zeroed.
+
+    Built from the shapes `model.init(..., decode=True)` would create, without
+    computing anything.
+    """
+    tokens = jnp.zeros((batch_size, model.max_len), jnp.int32)
+    shapes = jax.eval_shape(
+        functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens
+    )["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def kv_cache_bytes_per_token(model: TransformerLM) -> int:
+    """Bytes the decode cache holds per token, over all layers (cached K and V, or latents)."""
+    shapes = jax.eval_shape(functools.partial(init_cache, model, 1))
+    total = sum(
+        int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+        for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+        if path[-1].key.startswith("cached_")  # not the position counters
+    )
+    return total // model.max_len
+
+
+def sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | None) -> Array:
+    """One token per row of `logits` `[B, V]` -> `[B]` int32.
+
+    Keeps the `top_k` largest logits (all when None), then samples from
+    softmax(logits / temperature); temperature 0 picks the argmax.
+    """
+    if top_k is not None:
+        kth_largest = lax.top_k(logits, top_k)[0][..., -1:]  # (B, 1)
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))  # (B,)
+    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def sample_tokens(
+    model: TransformerLM,
+    params: Any,
+    prompt: Array,
+    rng: Array,
+    temperature: Array,
+    max_new_tokens: int,
+    top_k: int | None,
+) -> Array:
+    """The traceable body of `generate`: prefill `prompt` `[B, P]`, then one token per step.
+
+    Returns `[B, max_new_tokens]` int32. The P prompt positions and all but the
+    last sampled token go through the cache (P + max_new_tokens - 1 positions).
+    """
+    chex.assert_rank(prompt, 2)
+    variables = {"params": params, "cache": init_cache(model, prompt.shape[0])}
+    logits, state = model.apply(variables, prompt, decode=True, mutable=["cache"])  # (B, P, V)
+    keys = jax.random.split(rng, max_new_tokens)
+    first = sample_logits(logits[:, -1], keys[0], temperature, top_k)  # (B,)
+
+    def step(carry, key):
+        token, cache = carry
+        logits, state = model.apply(
+            {"params": params, "cache": cache}, token[:, None], decode=True, mutable=["cache"]
+        )  # (B, 1, V)
+        token = sample_logits(logits[:, -1], key, temperature, top_k)  # (B,)
+        return (token, state["cache"]), token
+
+    _, rest = lax.scan(step, (first, state["cache"]), keys[1:])  # rest: (max_new_tokens - 1, B)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
+
+
+_compiled_sample_tokens = jax.jit(sample_tokens, static_argnames=("model", "max_new_tokens", "top_k"))
+
+
+def check_generate_args(
+    model: TransformerLM,
+    prompt_shape: tuple[int, ...],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+) -> None:
+    """`generate`'s checks, host-side only: ValueError naming the bad value.
+
+    The cache holds `model.max_len` positions and the loop feeds P +
+    max_new_tokens - 1 of them (all but the last sampled token).
+    """
+    if len(prompt_shape) != 2 or prompt_shape[1] == 0:
+        raise ValueError(f"generate: prompt must have shape [batch, length >= 1], got {list(prompt_shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    needed = prompt_shape[1] + max_new_tokens - 1
+    if needed > model.max_len:
+        raise ValueError(
+            f"generate: a prompt of {prompt_shape[1]} tokens and max_new_tokens={max_new_tokens} "
+            f"decode {needed} positions, past the model's max_len={model.max_len}"
+        )
+    if not model.causal:
+        raise ValueError("generate: the model has causal=False; decode with model.clone(causal=True)")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.vocab_size):
+        raise ValueError(f"generate: top_k must be in [1, {model.vocab_size}] or None, got {top_k!r}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"generate: temperature must be finite and >= 0, got {temperature!r}")
+
+
+def generate(
+    model: TransformerLM,
+    params: Any,
+    prompt: Any,
+    max_new_tokens: int,
+    *,
+    rng: Array,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> Array:
+    """Samples `max_new_tokens` tokens after each row of `prompt` `[B, P]` (int).
+
+    Returns `[B, max_new_tokens]` int32. `temperature` 0 is greedy; `top_k`
+    keeps the k most likely tokens. Compiled once per (model, B, P,
+    max_new_tokens, top_k): new prompts, rngs and temperatures reuse it.
+    Lengths are static, so `check_generate_args` checks them before anything
+    runs (decoding past `model.max_len` is a ValueError).
+    """
+    prompt = jnp.asarray(prompt)
+    if not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"generate: prompt must hold integer tokens, got dtype {prompt.dtype}")
+    check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
+    return _compiled_sample_tokens(
+        model, params, prompt.astype(jnp.int32), rng, jnp.float32(temperature),
+        max_new_tokens=max_new_tokens, top_k=top_k,
+    )

@@ -1,0 +1,205 @@
+"""Seed 001's claims about the char LM, measured on `train_and_evaluate` runs.
+
+  causal_mask(base, workdir)  the same model trained with and without the causal mask:
+                              training loss, honest (causal) validation loss, samples.
+  kv_heads(base, workdir)     num_heads=8 with num_kv_heads 8, 4, 2, 1 (MHA, GQA, MQA)
+                              and MLA at two latent sizes: validation loss, KV-cache
+                              bytes per token, decode tokens/s.
+  write_results(workdir, results, command)
+                              results.json, results.md (a table) and <study>.png.
+
+`base` is a char_lm config as a plain dict; each arm runs in workdir/<arm>/
+(re-running resumes). The study functions return plain dicts (rows of
+numbers and strings), so a sweep or a docs generator can consume them.
+The launcher is experiments/lm_studies.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+from qkv_jax.lm import generate, kv_cache_bytes_per_token
+from qkv_jax.training.char_lm import read_run, restore_params
+from qkv_jax.training.run import train_and_evaluate
+from qkv_jax.training.workdir import read_metrics
+
+__all__ = [
+    "STUDIES",
+    "KV_ARMS",
+    "DECODE_BATCHES",
+    "causal_mask",
+    "kv_heads",
+    "decode_tokens_per_second",
+    "write_results",
+]
+
+STUDIES = ("causal_mask", "kv_heads")
+# The K/V variants: (arm, model overrides); num_heads is 8 in all.
+KV_ARMS = (
+    ("mha_kv8", {"num_kv_heads": 8}),
+    ("gqa_kv4", {"num_kv_heads": 4}),
+    ("gqa_kv2", {"num_kv_heads": 2}),
+    ("mqa_kv1", {"num_kv_heads": 1}),
+    ("mla_latent64", {"num_kv_heads": 8, "kv_latent_dim": 64}),
+    ("mla_latent32", {"num_kv_heads": 8, "kv_latent_dim": 32}),
+)
+DECODE_BATCHES = (1, 32)
+
+
+def train_arm(base: dict, workdir: pathlib.Path, arm: str, model: dict) -> dict:
+    """Trains `base` with `model` overrides in workdir/arm; returns its summary."""
+    config = copy.deepcopy(base)
+    config["model"].update(model)
+    return train_and_evaluate(config, workdir / arm)
+
+
+def decode_tokens_per_second(workdir: pathlib.Path, batch_size: int, repeats: int = 3) -> float:
+    """New tokens per second of `generate` from the run's checkpoint: a one-character
+    prompt, then max_len - 1 tokens per row (compiled first, median of `repeats`)."""
+    config, tokenizer, model = read_run(workdir)
+    params, _ = restore_params(workdir, config, model)
+    prompt = np.tile(tokenizer.encode("\n"), (batch_size, 1))
+    new_tokens = model.max_len - 1
+
+    def timed(seed):
+        started = time.perf_counter()
+        generate(model, params, prompt, new_tokens, rng=jax.random.PRNGKey(seed)).block_until_ready()
+        return time.perf_counter() - started
+
+    timed(0)  # compiles
+    return batch_size * new_tokens / float(np.median([timed(seed) for seed in range(1, repeats + 1)]))
+
+
+def causal_mask(base: dict, workdir: pathlib.Path) -> dict:
+    """Runs both arms; returns the study's rows (plain data) and loss curves."""
+    rows, curves = [], {}
+    for arm, causal in (("causal", True), ("unmasked", False)):
+        summary = train_arm(base, workdir, arm, {"causal": causal})
+        rows.append({
+            "arm": arm,
+            "causal_mask_in_training": causal,
+            "final_training_loss_nats": summary["final_loss"],
+            "train_bits_per_char": summary["eval_train_bits_per_char"],
+            "honest_val_bits_per_char": summary["eval_val_bits_per_char"],
+            "unmasked_val_bits_per_char": summary.get("eval_val_unmasked_bits_per_char"),
+            "unigram_bits_per_char": summary["eval_unigram_bits_per_char"],
+            "sample": summary["samples_after"][0],
+        })
+        curves[arm] = [[r["step"], r["loss"]] for r in read_metrics(workdir / arm / "metrics.jsonl")]
+    return {"study": "causal_mask", "rows": rows, "curves": curves}
+
+
+def kv_heads(base: dict, workdir: pathlib.Path) -> dict:
+    """Runs the six K/V arms; returns rows with loss, cache bytes and decode speed."""
+    rows = []
+    for arm, model in KV_ARMS:
+        summary = train_arm(base, workdir, arm, {"num_heads": 8, **model})
+        _, _, lm = read_run(workdir / arm)
+        rows.append({
+            "arm": arm,
+            "num_kv_heads": lm.num_kv_heads,
+            "kv_latent_dim": lm.kv_latent_dim,
+            "num_params": summary["num_params"],
+            "val_bits_per_char": summary["eval_val_bits_per_char"],
+            "train_bits_per_char": summary["eval_train_bits_per_char"],
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(lm),
+            **{
+                f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(workdir / arm, b)
+                for b in DECODE_BATCHES
+            },
+        })
+    return {"study": "kv_heads", "rows": rows}
+
+
+def _causal_mask_table(results: dict) -> list[str]:
+    lines = [
+        "| arm | final training loss (nats) | train bits/char | honest val bits/char "
+        "| val bits/char as trained | unigram bits/char |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        as_trained = r["unmasked_val_bits_per_char"] or r["honest_val_bits_per_char"]
+        lines.append(
+            f"| {r['arm']} | {r['final_training_loss_nats']:.3f} | {r['train_bits_per_char']:.3f} "
+            f"| {r['honest_val_bits_per_char']:.3f} | {as_trained:.3f} | {r['unigram_bits_per_char']:.3f} |"
+        )
+    for r in results["rows"]:
+        lines += ["", f"Sample from `{r['arm']}` (generated seeing only the past):", "", "```text", r["sample"], "```"]
+    return lines
+
+
+def _kv_heads_table(results: dict) -> list[str]:
+    speeds = [f"decode tokens/s (batch {b})" for b in DECODE_BATCHES]
+    lines = [
+        "| arm | kv heads | latent | params | val bits/char | KV cache bytes/token | " + " | ".join(speeds) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(speeds),
+    ]
+    for r in results["rows"]:
+        speed = " | ".join(f"{r[f'decode_tokens_per_s_batch{b}']:.0f}" for b in DECODE_BATCHES)
+        lines.append(
+            f"| {r['arm']} | {r['num_kv_heads']} | {r['kv_latent_dim'] or '-'} | {r['num_params']} "
+            f"| {r['val_bits_per_char']:.3f} | {r['kv_cache_bytes_per_token']} | {speed} |"
+        )
+    return lines
+
+
+def _causal_mask_plot(results: dict, axes) -> None:
+    rows = results["rows"]
+    for arm, curve in results["curves"].items():
+        steps, losses = zip(*curve, strict=True)
+        axes[0].plot(steps, [loss / math.log(2) for loss in losses], label=f"{arm}: training loss")
+    for ax in axes:
+        ax.axhline(rows[0]["unigram_bits_per_char"], color="gray", ls="--", label="unigram baseline")
+    axes[0].set(xlabel="step", ylabel="bits per character", title="training loss")
+    axes[0].legend()
+    axes[1].bar([r["arm"] for r in rows], [r["honest_val_bits_per_char"] for r in rows], color=["C0", "C1"])
+    axes[1].set(ylabel="bits per character", title="honest (causal) validation loss")
+
+
+def _kv_heads_plot(results: dict, axes) -> None:
+    rows = results["rows"]
+    for r in rows:
+        axes[0].scatter(r["kv_cache_bytes_per_token"], r["val_bits_per_char"])
+        axes[0].annotate(r["arm"], (r["kv_cache_bytes_per_token"], r["val_bits_per_char"]), fontsize=8)
+    axes[0].set(xscale="log", xlabel="KV-cache bytes per token", ylabel="validation bits per character",
+                title="quality against cache size")
+    batch = DECODE_BATCHES[-1]
+    axes[1].bar([r["arm"] for r in rows], [r[f"decode_tokens_per_s_batch{batch}"] for r in rows])
+    axes[1].set(ylabel="new tokens per second", title=f"decode speed, batch {batch}")
+    axes[1].tick_params(axis="x", rotation=30)
+
+
+# study -> (title, table, plot)
+_WRITERS = {
+    "causal_mask": ("The causal mask", _causal_mask_table, _causal_mask_plot),
+    "kv_heads": ("Sharing K/V heads: MHA, GQA, MQA, MLA", _kv_heads_table, _kv_heads_plot),
+}
+
+
+def write_results(workdir: pathlib.Path, results: dict, command: str) -> dict:
+    """Writes results.json, results.md and <study>.png into `workdir`; returns the
+    record written to results.json (plain data: rows, markdown table, command)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title, table, plot = _WRITERS[results["study"]]
+    record = {**results, "command": command, "table": table(results)}
+    workdir = pathlib.Path(workdir)
+    (workdir / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    markdown = [f"# {title}", "", f"Regenerate: `{command}`", "", *record["table"]]
+    (workdir / "results.md").write_text("\n".join(markdown) + "\n")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    plot(results, axes)
+    fig.tight_layout()
+    fig.savefig(workdir / f"{results['study']}.png", dpi=100)
+    plt.close(fig)
+    return record

@@ -1,0 +1,152 @@
+"""The char_lm experiment: config checks, and a shrunken train + generate run end to end."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import char_lm as char_lm_config
+from qkv_jax.lm import generate
+from qkv_jax.training import ConfigError, build_setup, lm_studies, train_and_evaluate
+from qkv_jax.training.char_lm import read_run, restore_params
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))
+
+
+def small_config(path, **overrides):
+    config = char_lm_config.get_config()
+    config.data.path = str(path)
+    config.model.num_layers = 1
+    config.model.d_model = 32
+    config.model.max_len = 48
+    config.task.seq_len = 32
+    config.train.steps = 60
+    config.train.batch_size = 16
+    config.train.learning_rate = 1e-2
+    config.train.warmup_steps = 5
+    config.train.log_every = 20
+    config.train.checkpoint_every = 30
+    config.eval.num_examples = 32
+    config.eval.sample_length = 20
+    for field, value in overrides.items():
+        section, name = field.split("__")
+        config[section][name] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "code.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(task__seq_len=64), "model.max_len=48: shorter than the training sequences (task.seq_len=64)"),
+        (dict(model__num_kv_heads=3), "model.num_kv_heads=3 does not divide model.num_heads=4"),
+        (dict(model__num_heads=3), "model.num_heads=3 does not divide model.d_model=32"),
+        (dict(model__kv_latent_dim=0), "model.kv_latent_dim=0: must be a positive integer"),
+        (dict(eval__sample_length=46),
+         "eval.sample_length=46: with the 4-character eval.sample_prompt it decodes 49 positions, past model.max_len=48"),
+        (dict(data__path="/nonexistent.txt"), "data.path='/nonexistent.txt': not a readable file"),
+        (dict(train__schedule="linear"), "train.schedule='linear': unknown; choose one of constant, cosine"),
+        (dict(data__validation_fraction=0.0), "data.validation_fraction=0: must be in (0, 1)"),
+    ],
+)
+def test_bad_configs_fail_before_any_work(text_file, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        build_setup(small_config(text_file, **overrides))
+    assert message in str(info.value)
+
+
+def test_a_text_shorter_than_a_window_is_refused(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x" * 100)
+    with pytest.raises(ConfigError, match="the validation text has only 10 characters"):
+        build_setup(small_config(tiny))
+
+
+@pytest.fixture(scope="module")
+def trained(text_file, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("char_lm")
+    return workdir, train_and_evaluate(small_config(text_file), workdir)
+
+
+@pytest.mark.slow
+def test_training_beats_the_unigram_baseline(trained):
+    workdir, summary = trained
+    fields = ("train_loss", "train_bits_per_char", "val_loss", "val_bits_per_char", "unigram_bits_per_char")
+    for field in fields:
+        assert np.isfinite(summary[f"eval_{field}"]), field
+    assert summary["eval_val_bits_per_char"] == pytest.approx(summary["eval_val_loss"] / np.log(2))
+    assert summary["eval_val_bits_per_char"] < summary["eval_unigram_bits_per_char"] - 0.5
+    assert summary["untrained"]["eval_val_bits_per_char"] > summary["eval_unigram_bits_per_char"]
+    assert "eval_val_unmasked_bits_per_char" not in summary  # causal: nothing to compare
+    samples = (workdir / "samples.txt").read_text()
+    assert "#### untrained model" in samples and "#### trained model" in samples
+    assert len(summary["samples_after"]) == 2
+    assert all(sample.startswith("def ") and len(sample) == 24 for sample in summary["samples_after"])
+
+
+@pytest.mark.slow
+def test_generate_from_the_latest_checkpoint(trained):
+    workdir, _ = trained
+    config, tokenizer, model = read_run(workdir)
+    assert config == json.loads((workdir / "config.json").read_text())
+    params, step = restore_params(workdir, config, model)
+    assert step == 60
+    prompt = np.tile(tokenizer.encode("def "), (2, 1))
+    tokens = generate(model, params, prompt, 30, rng=jax.random.PRNGKey(0), temperature=0.0)
+    text = tokenizer.decode(tokens[0])
+    assert "\n" in text and text == tokenizer.decode(tokens[1])  # greedy: both rows alike
+
+
+def run_generate(*args):
+    return subprocess.run(  # noqa: PLW1510 - the tests read returncode
+        [sys.executable, "-m", "experiments.generate", "--compilation_cache=", *args],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_generate_command_line(trained):
+    workdir, _ = trained
+    ok = run_generate("--workdir", str(workdir), "--prompt", "def ", "--max_new_tokens", "20", "--temperature", "0")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("--- sample 0 (checkpoint step 60, temperature 0.0)\ndef ")
+    too_long = run_generate("--workdir", str(workdir), "--max_new_tokens", "46")
+    assert too_long.returncode == 2 and too_long.stderr.strip().splitlines() == [
+        "error: generate: a prompt of 4 tokens and max_new_tokens=46 decode 49 positions, "
+        "past the model's max_len=48"
+    ]
+    missing = run_generate("--workdir", str(workdir / "nothing"))
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"error: workdir='{workdir / 'nothing'}': no config.json; is it a char_lm run?"
+    ]
+
+
+@pytest.mark.slow
+def test_causal_mask_study_writes_its_results(text_file, tmp_path):
+    base = small_config(
+        text_file, train__steps=4, train__log_every=2, train__checkpoint_every=4,
+        eval__num_examples=8, eval__sample_length=8,
+    ).to_dict()
+    results = lm_studies.causal_mask(base, tmp_path)
+    record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies causal_mask")
+    causal, unmasked = record["rows"]
+    summaries = {arm: json.loads((tmp_path / arm / "summary.json").read_text()) for arm in ("causal", "unmasked")}
+    assert causal["honest_val_bits_per_char"] == summaries["causal"]["eval_val_bits_per_char"]
+    assert unmasked["unmasked_val_bits_per_char"] == summaries["unmasked"]["eval_val_unmasked_bits_per_char"]
+    assert causal["unmasked_val_bits_per_char"] is None
+    assert json.loads((tmp_path / "results.json").read_text()) == record
+    markdown = (tmp_path / "results.md").read_text()
+    assert f"| unmasked | {unmasked['final_training_loss_nats']:.3f} |" in markdown
+    assert (tmp_path / "causal_mask.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
