@@ -107,6 +107,12 @@ def get_config(arg=None):
     # Replace a workdir that holds a different config's run (old files are moved aside).
     config.train.overwrite = False
 
+    config.mesh = ml_collections.ConfigDict()
+    # Devices the batch is split over (-1 = all devices not used by mesh.model).
+    config.mesh.data = -1
+    # Devices the attention heads and MLP hidden units are split over (divides num_heads).
+    config.mesh.model = 1
+
     config.eval = ml_collections.ConfigDict()
     # Windows of task.seq_len characters for the train and validation losses.
     config.eval.num_examples = 256

@@ -36,7 +36,8 @@ def describe(summary: dict, workdir: str) -> str:
     ]
     records = read_metrics(f"{workdir}/metrics.jsonl")
     if records:
-        shown = records[:: max(1, len(records) // 5)][:5] + records[-1:]
+        shown = records[:: max(1, len(records) // 5)][:5]
+        shown += [r for r in records[-1:] if r is not shown[-1]]
         losses = ", ".join(f"step {r['step']} {r['loss']:.3g}" for r in shown)
         lines.append(f"training loss: {losses}")
     lines.append(f"{'evaluation':28s} {'trained':>10s} {'untrained':>10s}")

@@ -53,6 +53,8 @@ class TransformerBlock(nn.Module):
       causal: causal self-attention.
       dropout_rate: dropout on both residual branches.
       attention_dropout_rate: dropout on the attention weights.
+      sow_weights: sow the attention weights `[batch..., N, T, S]` into
+        `intermediates/attention/attention_weights`.
     """
 
     num_heads: int
@@ -62,6 +64,7 @@ class TransformerBlock(nn.Module):
     causal: bool = True
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
+    sow_weights: bool = False
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
@@ -77,6 +80,7 @@ class TransformerBlock(nn.Module):
             kv_latent_dim=self.kv_latent_dim,
             is_causal=self.causal,
             dropout_rate=self.attention_dropout_rate,
+            sow_weights=self.sow_weights,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="attention",
@@ -101,6 +105,7 @@ class TransformerLM(nn.Module):
       max_len: positions of the embedding table and of the decode cache.
       mlp_dim: MLP hidden width (default 4 d_model).
       causal: causal self-attention (False: every position sees every other).
+      sow_weights: every block sows its attention weights (see TransformerBlock).
       dropout_rate, attention_dropout_rate: dropout on embeddings and residual
         branches, and on the attention weights, when not deterministic.
 
@@ -119,6 +124,7 @@ class TransformerLM(nn.Module):
     causal: bool = True
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
+    sow_weights: bool = False
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
@@ -182,6 +188,7 @@ class TransformerLM(nn.Module):
                 causal=self.causal,
                 dropout_rate=self.dropout_rate,
                 attention_dropout_rate=self.attention_dropout_rate,
+                sow_weights=self.sow_weights,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 name=f"block_{layer}",

@@ -129,9 +129,10 @@ def plot_attention_maps(maps: dict, query_labels, key_labels, path, title: str =
     layers = list(maps)
     num_heads = max(np.shape(w)[0] for w in maps.values())
     T, S = len(query_labels), len(key_labels)
-    cell = 0.25 + 0.22 * max(S, 4)
+    width = min(max(0.22 * S, 2.0), 4.5)  # inches per panel
+    height = min(max(0.22 * T, 1.0), 4.5)
     fig, axes = plt.subplots(
-        len(layers), num_heads, figsize=(1.0 + cell * num_heads, 0.8 + (0.25 + 0.22 * max(T, 4)) * len(layers)),
+        len(layers), num_heads, figsize=(0.6 + width * num_heads, 0.8 + (height + 0.4) * len(layers)),
         squeeze=False,
     )
     step_q, step_k = max(1, T // 24), max(1, S // 24)

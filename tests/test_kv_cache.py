@@ -48,6 +48,11 @@ def decode_in_segments(step, cache, inputs, lengths):
     return jnp.concatenate(outputs, axis=1), cache
 
 
+@pytest.mark.reliability(
+    'Decoding',
+    'cached decoding (one token at a time, a prompt then tokens, a whole prefill) for MHA, GQA, MQA and MLA',
+    'equals the full causal pass within 1e-5 in float32',
+)
 @pytest.mark.parametrize("lengths", [(1,) * L, (3, 1, 1, 1), (L,)], ids=["prompt1", "prompt3", "prefill"])
 def test_cached_decoding_equals_the_full_causal_pass(decoder, lengths):
     _, _, _, cache, full, step = decoder
@@ -98,6 +103,11 @@ def test_mla_matches_an_independent_reference():
     np.testing.assert_allclose(module.apply({"params": params}, X), want, atol=1e-5)
 
 
+@pytest.mark.reliability(
+    'Decoding',
+    "appending past the KV cache's max length, eagerly",
+    "`ValueError` naming the position and the capacity (flax's cache would overwrite silently)",
+)
 def test_decoding_past_the_cache_raises_eagerly():
     module = qkv_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, is_causal=True)
     variables = module.init(jax.random.PRNGKey(3), X[:, :3], decode=True)  # room for 3
@@ -108,6 +118,11 @@ def test_decoding_past_the_cache_raises_eagerly():
         module.apply(variables, X[:, :4], decode=True, mutable=["cache"])
 
 
+@pytest.mark.reliability(
+    'Decoding',
+    "appending past the KV cache's max length inside jit",
+    'nothing cached is overwritten, the output is nan and `checkify` raises naming the position',
+)
 def test_decoding_past_the_cache_under_jit_is_nan_and_checkify_raises(decoder):
     _, _, _, cache, _, step = decoder
     _, full_cache = step(cache, X)

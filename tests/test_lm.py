@@ -42,6 +42,11 @@ def variant(request):
     return request.param, model, params, full, step
 
 
+@pytest.mark.reliability(
+    'Decoding',
+    'the whole LM decoded with its cache, prompts of length 1 and 5, MHA/GQA/MQA/MLA',
+    'logits equal the full causal forward pass within 1e-5',
+)
 @pytest.mark.parametrize("prompt_length", [1, 5])
 def test_cached_decoding_equals_the_full_pass(variant, prompt_length):
     _, model, _, full, step = variant
@@ -141,6 +146,11 @@ def test_sample_logits_top_k_and_temperature():
     assert (np.asarray(draw(logits, keys[:10], 0.0, None)) == 3).all()
 
 
+@pytest.mark.reliability(
+    'Decoding',
+    'generate() with a prompt that would decode past max_len, or bad max_new_tokens/top_k/temperature/prompt',
+    '`ValueError` naming the values, before anything compiles',
+)
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -160,6 +170,11 @@ def test_generate_rejects_bad_arguments_before_running(kwargs, message):
     assert message in str(info.value)
 
 
+@pytest.mark.reliability(
+    'Decoding',
+    'TransformerLM decoding or running past max_len',
+    '`ValueError` naming the length and max_len',
+)
 def test_decoding_the_lm_past_max_len_raises():
     model = make_model(num_layers=1)
     variables = {"params": jax.jit(model.init)(jax.random.PRNGKey(5), TOKENS)["params"], "cache": lm.init_cache(model, 2)}

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from qkv_jax import text
+from qkv_jax.diagnostics import collect_attention_weights, head_diagnostics, induction_scores, repeated_sequence
 from qkv_jax.lm import TransformerLM, sample_tokens
 from qkv_jax.training import validate
 from qkv_jax.training.checkpoints import Checkpoints
@@ -46,6 +47,7 @@ __all__ = [
 TOKENIZER_FILE = "tokenizer.json"
 SAMPLES_FILE = "samples.txt"
 NATS_PER_BIT = math.log(2.0)
+DIAGNOSTIC_EXAMPLES = 16  # validation windows (and repeated sequences) for the head diagnostics
 
 
 def validate_model_config(config: Any, seq_len: int, source: str) -> None:
@@ -184,11 +186,38 @@ def build(config: Any) -> Setup:
             for name, value in list(metrics.items())
         })
         metrics["unigram_bits_per_char"] = data["unigram_bits_per_char"]
+        metrics.update(head_metrics(params, validation_batch["inputs"], sample_key))
         samples = sample_tokens(
             honest, params, jnp.asarray(prompt), sample_key, jnp.float32(evaluation["temperature"]),
             max_new_tokens=evaluation["sample_length"], top_k=None,
         )  # (num_samples, sample_length)
         return metrics, {"samples": samples}
+
+    probe = honest.clone(sow_weights=True)
+    repeat = seq_len // 2  # induction: a random sequence of this length, then again
+
+    def layer_weights(params, tokens):
+        """[attention weights (B, N, T, T) of block 0, block 1, ...] of the causal model."""
+        _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
+        weights = collect_attention_weights(state["intermediates"])
+        return [weights[name] for name in sorted(weights, key=lambda n: int(n.split("/")[0].split("_")[1]))]
+
+    def head_metrics(params, tokens, key):
+        """Per layer and head ([L, N] each) on validation text, and induction scores."""
+        stats = [head_diagnostics(w) for w in layer_weights(params, tokens[:DIAGNOSTIC_EXAMPLES])]
+        repeated = repeated_sequence(key, DIAGNOSTIC_EXAMPLES, repeat, tokenizer.vocab_size)
+        induction = [induction_scores(w, repeat) for w in layer_weights(params, repeated)]
+        metrics = {f"head_{name}": jnp.stack([s[name] for s in stats]) for name in stats[0]}
+        metrics["head_induction"] = jnp.stack(induction)
+        return metrics
+
+    def inspect(params, text_input):
+        """Attention maps of every block on `text_input` (default: a line of Python)."""
+        shown = text_input or "def forward(self, x):\n    return self.scale * x + self.bias"
+        tokens = jnp.asarray(tokenizer.encode(shown[: model.max_len]))[None, :]  # (1, T)
+        weights = jax.jit(layer_weights)(params, tokens)
+        labels = [repr(c)[1:-1] for c in shown[: model.max_len]]
+        return {f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels
 
     def report(workdir, stage, examples):
         workdir = pathlib.Path(workdir)
@@ -209,6 +238,7 @@ def build(config: Any) -> Setup:
         apply=model.apply,
         report=report,
         data=data,
+        inspect=inspect,
     )
 
 
