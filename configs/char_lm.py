@@ -25,9 +25,10 @@ still measured with the mask):
     --config.model.causal=False
 
 Variant `study`: the base of experiments/lm_studies.py (8 heads, 128-character
-windows, 300 steps; about a minute a run):
+windows, 300 steps; about a minute a run). Its `get_sweep` is the K/V study's
+grid (MHA, GQA, MQA and two MLA latents), trained through the sweep launcher:
 
-  python -m experiments.lm_studies kv_heads --workdir runs/kv_heads
+  python -m experiments.lm_studies kv_heads --workdir runs/kv_heads --seeds 2
 """
 
 import ml_collections
@@ -125,3 +126,22 @@ def get_config(arg=None):
     # ... at this temperature (0 = greedy).
     config.eval.temperature = 0.8
     return config
+
+
+def get_sweep(arg=None):
+    """The K/V-sharing study's cells (num_heads is 8 in the study variant)."""
+    if arg != "study":
+        raise ValueError("configs/char_lm.py: only the study variant defines a sweep")
+    return [
+        {"model.num_kv_heads": 8, "model.kv_latent_dim": None},  # MHA
+        {"model.num_kv_heads": 4, "model.kv_latent_dim": None},  # GQA
+        {"model.num_kv_heads": 2, "model.kv_latent_dim": None},  # GQA
+        {"model.num_kv_heads": 1, "model.kv_latent_dim": None},  # MQA
+        {"model.num_kv_heads": 8, "model.kv_latent_dim": 64},  # MLA
+        {"model.num_kv_heads": 8, "model.kv_latent_dim": 32},  # MLA
+    ]
+
+
+def get_sweep_metric(arg=None):
+    """The metric the sweep's table and plots show."""
+    return "eval_val_bits_per_char"

@@ -1,11 +1,13 @@
 r"""Seed 001's claims about the char LM, measured: the causal mask, and K/V head sharing.
 
   python -m experiments.lm_studies causal_mask --workdir runs/causal_mask
-  python -m experiments.lm_studies kv_heads --workdir runs/kv_heads
+  python -m experiments.lm_studies kv_heads --workdir runs/kv_heads --seeds 2
 
 Each study trains `--config` (default configs/char_lm.py:study; any
-`--config.<field>=` override applies to every run) once per arm, in
-<workdir>/<arm>/ (re-running resumes), then writes <workdir>/results.json,
+`--config.<field>=` override applies to every run): causal_mask once per arm
+in <workdir>/<arm>/ (re-running resumes), kv_heads through the sweep launcher
+over the config file's `get_sweep` cells with --seeds seeds trained together
+(re-running skips finished cells). Both write <workdir>/results.json,
 results.md (a table) and PNG plots.
 
   causal_mask  the same model with and without the causal mask: training loss,
@@ -19,6 +21,7 @@ from experiments import common
 
 common.use_tcmalloc()
 
+import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -31,6 +34,7 @@ config_flags.DEFINE_config_file(
     "config", "configs/char_lm.py:study", "Base char_lm config of every run.", lock_config=True
 )
 flags.DEFINE_string("workdir", None, "Directory for the runs and the results.")
+flags.DEFINE_integer("seeds", 2, "kv_heads: seeds per variant, trained together (jax.vmap).")
 common.define_common_flags()
 
 
@@ -45,11 +49,19 @@ def main(argv):
     base = to_dict(FLAGS.config)
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        results = getattr(lm_studies, study)(base, workdir)
+        if study == "kv_heads":
+            path, _, variant = config_flags.get_config_filename(FLAGS["config"]).partition(":")
+            spec = importlib.util.spec_from_file_location("study_config", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            results = lm_studies.kv_heads(base, workdir, module.get_sweep(variant or None), list(range(FLAGS.seeds)))
+        else:
+            results = lm_studies.causal_mask(base, workdir)
     except ConfigError as error:
         common.fail(str(error), code=2)
     overrides = " ".join(a for a in sys.argv[1:] if a.startswith("--config"))
-    command = f"python -m experiments.lm_studies {study} --workdir {FLAGS.workdir} {overrides}".strip()
+    seeds = f" --seeds {FLAGS.seeds}" if study == "kv_heads" else ""
+    command = f"python -m experiments.lm_studies {study} --workdir {FLAGS.workdir}{seeds} {overrides}".strip()
     record = lm_studies.write_results(workdir, results, command)
     print("\n".join(record["table"]))
     print(f"wrote {workdir}/results.json, results.md, {study}.png")

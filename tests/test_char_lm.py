@@ -155,3 +155,24 @@ def test_causal_mask_study_writes_its_results(text_file, tmp_path):
     markdown = (tmp_path / "results.md").read_text()
     assert f"| unmasked | {unmasked['final_training_loss_nats']:.3f} |" in markdown
     assert (tmp_path / "causal_mask.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
+    base = small_config(
+        text_file, train__steps=4, train__log_every=2, train__checkpoint_every=4,
+        eval__num_examples=8, eval__sample_length=8,
+    ).to_dict()
+    cells = [{"model.num_kv_heads": 4, "model.kv_latent_dim": None}, {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
+             {"model.num_kv_heads": 4, "model.kv_latent_dim": 8}]
+    results = lm_studies.kv_heads(base, tmp_path, cells, seeds=[0, 1])
+    record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies kv_heads")
+    mha, mqa, mla = record["rows"]
+    assert [r["arm"] for r in record["rows"]] == ["mha_kv4", "mqa_kv1", "mla_latent8"]
+    # Cache bytes per token: K and V of every layer (float32) or MLA's latent alone.
+    assert mha["kv_cache_bytes_per_token"] == 2 * 4 * 8 * 4 and mqa["kv_cache_bytes_per_token"] == 2 * 1 * 8 * 4
+    assert mla["kv_cache_bytes_per_token"] == 8 * 4
+    assert json.loads((tmp_path / "results.json").read_text()) == record
+    cell = json.loads((tmp_path / "sweep" / "cells" / "model.num_kv_heads=1,model.kv_latent_dim=None.json").read_text())
+    assert cell["seeds"] == [0, 1] and mqa["val_bits_per_char"] == cell["eval_val_bits_per_char_stats"]
+    assert all(r[f"decode_tokens_per_s_batch{b}"] > 0 for r in record["rows"] for b in lm_studies.DECODE_BATCHES)

@@ -2,8 +2,10 @@
 
   causal_mask(base, workdir)  the same model trained with and without the causal mask:
                               training loss, honest (causal) validation loss, samples.
-  kv_heads(base, workdir)     num_heads=8 with num_kv_heads 8, 4, 2, 1 (MHA, GQA, MQA)
-                              and MLA at two latent sizes: validation loss, KV-cache
+  kv_heads(base, workdir, cells, seeds)
+                              num_heads=8 with num_kv_heads 8, 4, 2, 1 (MHA, GQA, MQA)
+                              and MLA at two latent sizes, trained with the sweep
+                              launcher (seeds vmapped): validation loss, KV-cache
                               bytes per token, decode tokens/s.
   write_results(workdir, results, command)
                               results.json, results.md (a table) and <study>.png.
@@ -26,13 +28,12 @@ import jax
 import numpy as np
 
 from qkv_jax.lm import generate, kv_cache_bytes_per_token
-from qkv_jax.training.char_lm import read_run, restore_params
-from qkv_jax.training.run import train_and_evaluate
+from qkv_jax.training.run import build_setup, train_and_evaluate
+from qkv_jax.training.sweep import apply_overrides, run_sweep
 from qkv_jax.training.workdir import read_metrics
 
 __all__ = [
     "STUDIES",
-    "KV_ARMS",
     "DECODE_BATCHES",
     "causal_mask",
     "kv_heads",
@@ -41,15 +42,6 @@ __all__ = [
 ]
 
 STUDIES = ("causal_mask", "kv_heads")
-# The K/V variants: (arm, model overrides); num_heads is 8 in all.
-KV_ARMS = (
-    ("mha_kv8", {"num_kv_heads": 8}),
-    ("gqa_kv4", {"num_kv_heads": 4}),
-    ("gqa_kv2", {"num_kv_heads": 2}),
-    ("mqa_kv1", {"num_kv_heads": 1}),
-    ("mla_latent64", {"num_kv_heads": 8, "kv_latent_dim": 64}),
-    ("mla_latent32", {"num_kv_heads": 8, "kv_latent_dim": 32}),
-)
 DECODE_BATCHES = (1, 32)
 
 
@@ -60,12 +52,11 @@ def train_arm(base: dict, workdir: pathlib.Path, arm: str, model: dict) -> dict:
     return train_and_evaluate(config, workdir / arm)
 
 
-def decode_tokens_per_second(workdir: pathlib.Path, batch_size: int, repeats: int = 3) -> float:
-    """New tokens per second of `generate` from the run's checkpoint: a one-character
-    prompt, then max_len - 1 tokens per row (compiled first, median of `repeats`)."""
-    config, tokenizer, model = read_run(workdir)
-    params, _ = restore_params(workdir, config, model)
-    prompt = np.tile(tokenizer.encode("\n"), (batch_size, 1))
+def decode_tokens_per_second(model, params, batch_size: int, repeats: int = 3) -> float:
+    """New tokens per second of `generate` (a one-token prompt, then max_len - 1
+    tokens per row; compiled first, median of `repeats`). Speed does not depend
+    on the parameters' values, so freshly initialised ones do."""
+    prompt = np.ones((batch_size, 1), np.int32)
     new_tokens = model.max_len - 1
 
     def timed(seed):
@@ -96,26 +87,39 @@ def causal_mask(base: dict, workdir: pathlib.Path) -> dict:
     return {"study": "causal_mask", "rows": rows, "curves": curves}
 
 
-def kv_heads(base: dict, workdir: pathlib.Path) -> dict:
-    """Runs the six K/V arms; returns rows with loss, cache bytes and decode speed."""
-    rows = []
-    for arm, model in KV_ARMS:
-        summary = train_arm(base, workdir, arm, {"num_heads": 8, **model})
-        _, _, lm = read_run(workdir / arm)
-        rows.append({
-            "arm": arm,
-            "num_kv_heads": lm.num_kv_heads,
-            "kv_latent_dim": lm.kv_latent_dim,
-            "num_params": summary["num_params"],
-            "val_bits_per_char": summary["eval_val_bits_per_char"],
-            "train_bits_per_char": summary["eval_train_bits_per_char"],
-            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(lm),
+def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[int]) -> dict:
+    """The K/V variants through the sweep launcher in workdir/sweep (the seeds of a
+    cell trained together), then each variant's KV-cache bytes per token and
+    decode speed."""
+    rows = run_sweep(base, pathlib.Path(workdir) / "sweep", cells, seeds, metric="eval_val_bits_per_char")
+    results = []
+    for row in rows:
+        config = apply_overrides(base, row["cell"])
+        setup = build_setup(config)
+        model = setup.apply.__self__  # the TransformerLM whose bound apply the setup carries
+        params = jax.jit(setup.init)(jax.random.PRNGKey(0))
+        results.append({
+            "arm": arm_name(model),
+            "num_kv_heads": model.num_kv_heads,
+            "kv_latent_dim": model.kv_latent_dim,
+            "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            "seeds": row["seeds"],
+            "val_bits_per_char": row["eval_val_bits_per_char_stats"],
+            "train_bits_per_char": row["eval_train_bits_per_char_stats"],
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(model),
             **{
-                f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(workdir / arm, b)
+                f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(model, params, b)
                 for b in DECODE_BATCHES
             },
         })
-    return {"study": "kv_heads", "rows": rows}
+    return {"study": "kv_heads", "rows": results}
+
+
+def arm_name(model) -> str:
+    if model.kv_latent_dim:
+        return f"mla_latent{model.kv_latent_dim}"
+    kind = "mha" if model.num_kv_heads == model.num_heads else "mqa" if model.num_kv_heads == 1 else "gqa"
+    return f"{kind}_kv{model.num_kv_heads}"
 
 
 def _causal_mask_table(results: dict) -> list[str]:
@@ -138,14 +142,17 @@ def _causal_mask_table(results: dict) -> list[str]:
 def _kv_heads_table(results: dict) -> list[str]:
     speeds = [f"decode tokens/s (batch {b})" for b in DECODE_BATCHES]
     lines = [
-        "| arm | kv heads | latent | params | val bits/char | KV cache bytes/token | " + " | ".join(speeds) + " |",
+        "| arm | kv heads | latent | params | val bits/char (mean ± std [min, max] over seeds) "
+        "| KV cache bytes/token | " + " | ".join(speeds) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(speeds),
     ]
     for r in results["rows"]:
         speed = " | ".join(f"{r[f'decode_tokens_per_s_batch{b}']:.0f}" for b in DECODE_BATCHES)
+        quality = r["val_bits_per_char"]
         lines.append(
             f"| {r['arm']} | {r['num_kv_heads']} | {r['kv_latent_dim'] or '-'} | {r['num_params']} "
-            f"| {r['val_bits_per_char']:.3f} | {r['kv_cache_bytes_per_token']} | {speed} |"
+            f"| {quality['mean']:.3f} ± {quality['std']:.3f} [{quality['min']:.3f}, {quality['max']:.3f}] "
+            f"| {r['kv_cache_bytes_per_token']} | {speed} |"
         )
     return lines
 
@@ -166,8 +173,12 @@ def _causal_mask_plot(results: dict, axes) -> None:
 def _kv_heads_plot(results: dict, axes) -> None:
     rows = results["rows"]
     for r in rows:
-        axes[0].scatter(r["kv_cache_bytes_per_token"], r["val_bits_per_char"])
-        axes[0].annotate(r["arm"], (r["kv_cache_bytes_per_token"], r["val_bits_per_char"]), fontsize=8)
+        quality = r["val_bits_per_char"]
+        axes[0].errorbar(
+            r["kv_cache_bytes_per_token"], quality["mean"], fmt="o",
+            yerr=[[quality["mean"] - quality["min"]], [quality["max"] - quality["mean"]]],
+        )
+        axes[0].annotate(r["arm"], (r["kv_cache_bytes_per_token"], quality["mean"]), fontsize=8)
     axes[0].set(xscale="log", xlabel="KV-cache bytes per token", ylabel="validation bits per character",
                 title="quality against cache size")
     batch = DECODE_BATCHES[-1]
