@@ -1,0 +1,349 @@
+"""The "xla" and "chunked" paths of dot_product_attention against the reference.
+
+Every path must give the reference's outputs and gradients (float64 NumPy for
+outputs, the reference path for gradients), including masks, GQA, causal with
+T != S, fully masked rows, bias and low precision. The chunked kernel is also
+run with tiny blocks so that padding, several blocks and the skipped causal
+blocks are exercised at small shapes.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_reference as ref
+import pytest
+from jax.test_util import check_grads
+
+import qkv_jax
+from qkv_jax import dot_product_attention
+from qkv_jax.attention import CHUNKED_MIN_KEYS, select_implementation
+from qkv_jax.chunked import chunked_attention
+
+PATHS = ["xla", "chunked"]
+F32_OUT_ATOL = 1e-5  # float32 against the float64 answer
+F32_GRAD_TOL = dict(atol=2e-5, rtol=1e-4)  # float32 path against the float32 reference path
+LOW_PRECISION_TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}  # against float32 on the same rounded inputs
+
+# (batch, T, S, N, K, H, Hv, masking); "mask" leaves row 1 of the first example fully masked,
+# "bias" puts -inf over row 2 of head 0.
+CASES = {
+    "gqa-causal": ((2,), 6, 6, 4, 2, 8, 8, "causal"),
+    "mqa-causal-T<S": ((2,), 3, 7, 4, 1, 8, 8, "causal"),
+    "causal-T>S-mask": ((2,), 7, 4, 2, 2, 8, 8, "causal+mask"),
+    "mask-bias": ((2,), 5, 6, 4, 2, 8, 8, "mask+bias"),
+    "batch2d-bias": ((1, 2), 4, 5, 2, 2, 4, 4, "bias"),
+    "unbatched": ((), 4, 4, 2, 1, 8, 8, "none"),
+}
+
+
+def make_inputs(case, dtype=np.float32, seed=0):
+    batch, T, S, N, K, H, Hv, masking = case
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(*batch, T, N, H)).astype(dtype)
+    key = rng.normal(size=(*batch, S, K, H)).astype(dtype)
+    value = rng.normal(size=(*batch, S, K, Hv)).astype(dtype)
+    mask = bias = None
+    if "mask" in masking:
+        mask = rng.random((*batch, 1, T, S)) < 0.7
+        mask.reshape(-1, T, S)[0, 1] = False
+    if "bias" in masking:
+        bias = rng.normal(size=(N, T, S)).astype(np.float32)
+        bias[0, 2] = -np.inf
+    return query, key, value, mask, bias, "causal" in masking
+
+
+def numpy_answer(query, key, value, mask, bias, is_causal, scale=None):
+    T, S = query.shape[-3], key.shape[-3]
+    full_mask = mask
+    if is_causal:
+        full_mask = ref.causal(T, S) if mask is None else mask & ref.causal(T, S)
+    return ref.attention(query, key, value, mask=full_mask, bias=bias, scale=scale)[0]
+
+
+@functools.cache
+def grad_fn(implementation, is_causal, with_bias):
+    """Gradients of a fixed scalar loss w.r.t. query, key, value (and bias), jitted once."""
+
+    def loss(query, key, value, bias, mask):
+        out = dot_product_attention(
+            query, key, value, mask=mask, bias=bias, is_causal=is_causal, implementation=implementation
+        )
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))  # uneven weights on every output entry
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if with_bias else (0, 1, 2)))
+
+
+def gradients(implementation, query, key, value, mask, bias, is_causal):
+    return grad_fn(implementation, is_causal, bias is not None)(query, key, value, bias, mask)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("implementation", PATHS)
+def test_outputs_and_gradients_match_reference(implementation, case):
+    query, key, value, mask, bias, is_causal = make_inputs(CASES[case])
+    out = dot_product_attention(
+        query, key, value, mask=mask, bias=bias, is_causal=is_causal, implementation=implementation
+    )
+    assert out.dtype == jnp.float32 and out.shape == (*query.shape[:-1], value.shape[-1])
+    want = numpy_answer(query, key, value, mask, bias, is_causal)
+    np.testing.assert_allclose(out, want, atol=F32_OUT_ATOL)
+    got = gradients(implementation, query, key, value, mask, bias, is_causal)
+    expected = gradients("reference", query, key, value, mask, bias, is_causal)
+    for name, g, e in zip(("query", "key", "value", "bias")[: len(got)], got, expected, strict=True):
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, e, **F32_GRAD_TOL, err_msg=name)
+
+
+LOW_PRECISION = [("xla", jnp.bfloat16), ("chunked", jnp.bfloat16), ("chunked", jnp.float16)]
+
+
+@pytest.mark.parametrize("implementation,dtype", LOW_PRECISION)  # xla: no float16 dot on CPU
+def test_low_precision_matches_float32(implementation, dtype):
+    query, key, value, mask, bias, is_causal = make_inputs(CASES["mask-bias"])
+    low = [jnp.asarray(x, dtype) for x in (query, key, value)]
+    rounded = [np.asarray(x, np.float32) for x in low]  # the same numbers in float32
+    out = dot_product_attention(*low, mask=mask, bias=bias, implementation=implementation)
+    assert out.dtype == dtype
+    want = dot_product_attention(*rounded, mask=mask, bias=bias, implementation="reference")
+    tolerance = LOW_PRECISION_TOL[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=tolerance, rtol=tolerance)
+    got = gradients(implementation, *low, mask, bias, False)
+    expected = gradients("reference", *rounded, mask, bias, False)
+    for g, e in zip(got, expected, strict=True):
+        g = np.asarray(g, np.float32)
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, e, atol=4 * tolerance, rtol=4 * tolerance)
+
+
+@pytest.mark.parametrize("implementation", PATHS)
+def test_fully_masked_rows_are_zero_with_finite_gradients(implementation):
+    query, key, value, mask, bias, _ = make_inputs(CASES["mask-bias"])
+    out = dot_product_attention(query, key, value, mask=mask, bias=bias, implementation=implementation)
+    np.testing.assert_array_equal(out[0, 1], 0.0)  # mask row
+    np.testing.assert_array_equal(out[:, 2, 0], 0.0)  # -inf bias row of head 0
+    query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])
+    out = dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation=implementation)
+    np.testing.assert_array_equal(out[:, :3], 0.0)  # the first T - S queries see no key
+
+
+def add_non_finite(key, value, attended):
+    """Bad entries at keys 4 and 5 (masked out below), and at attended keys when asked."""
+    key, value = key.copy(), value.copy()
+    key[0, 4, 1] = np.nan
+    value[1, 5, 0, 2] = np.inf
+    if attended:
+        value[0, 3, 1, 1] = np.nan  # poisons channel 1 of the rows of kv head 1 that see key 3
+        key[1, 0, 0, 3] = -np.inf  # poisons the whole rows of kv head 0 that see key 0
+    return key, value
+
+
+@pytest.mark.parametrize("implementation", PATHS)
+def test_non_finite_keys_and_values_as_in_reference(implementation):
+    """Masked-out NaN/inf never leak, into outputs or gradients; attended ones give NaN
+    exactly where the reference does."""
+    query, key, value, mask, bias, _ = make_inputs(CASES["mask-bias"])
+    mask = mask.copy()
+    mask[..., 4:] = False  # keys 4 and 5 are masked for every query
+    bad_key, bad_value = add_non_finite(key, value, attended=True)
+    attend = functools.partial(dot_product_attention, query, bad_key, bad_value, mask=mask, bias=bias)
+    out, want = attend(implementation=implementation), attend(implementation="reference")
+    assert np.isnan(want).any() and np.isfinite(want).any()
+    np.testing.assert_allclose(out, want, atol=F32_OUT_ATOL)  # NaN where want is NaN, and only there
+    bad_key, bad_value = add_non_finite(key, value, attended=False)
+    got = gradients(implementation, query, bad_key, bad_value, mask, bias, False)
+    expected = gradients("reference", query, key, value, mask, bias, False)  # the clean inputs
+    for g, e in zip(got, expected, strict=True):  # masked keys get no gradient, clean or not
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, e, **F32_GRAD_TOL)
+
+
+def test_chunked_non_finite_across_blocks():
+    """The chunked kernel's NaN rules hold with several blocks, causal and masked."""
+    query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])  # T 7, S 4
+    key, value = key.copy(), value.copy()
+    key[0, 1, 0, 2] = np.nan
+    value[1, 3, 1, 0] = np.inf
+    value[0, 2, 0, 1] = np.nan
+    attend = jax.jit(functools.partial(chunked_attention, is_causal=True, block_q=2, block_k=3))
+    out = attend(query, key, value, mask=mask)
+    want = dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation="reference")
+    assert np.isnan(want).any() and np.isfinite(want).any()
+    np.testing.assert_allclose(out, want, atol=F32_OUT_ATOL)
+
+
+# (T, S, block_q, block_k, is_causal, mask shape, bias shape) with batch 2, N = 4, K = 2.
+KERNEL_CASES = [
+    (7, 7, 3, 2, True, None, None),
+    (5, 9, 2, 4, True, (2, 1, 5, 9), (4, 5, 9)),
+    (9, 5, 4, 2, True, (2, 1, 1, 5), (2, 4, 1, 5)),
+    (6, 8, 4, 3, False, (2, 4, 6, 8), (1, 4, 6, 8)),
+]
+
+
+@pytest.mark.parametrize("T,S,block_q,block_k,is_causal,mask_shape,bias_shape", KERNEL_CASES)
+def test_chunked_kernel_with_small_blocks(T, S, block_q, block_k, is_causal, mask_shape, bias_shape):
+    rng = np.random.default_rng(T * S)
+    query = rng.normal(size=(2, T, 4, 8)).astype(np.float32)
+    key = rng.normal(size=(2, S, 2, 8)).astype(np.float32)
+    value = rng.normal(size=(2, S, 2, 5)).astype(np.float32)  # Hv != H
+    mask = None if mask_shape is None else rng.random(mask_shape) < 0.7
+    bias = None if bias_shape is None else rng.normal(size=bias_shape).astype(np.float32)
+    scale = 0.3
+
+    def run(attend, q, k, v, b, s):
+        return attend(q, k, v, mask=mask, bias=b, is_causal=is_causal, scale=s)
+
+    tiled = functools.partial(chunked_attention, block_q=block_q, block_k=block_k)
+    reference = functools.partial(dot_product_attention, implementation="reference")
+    want = numpy_answer(query, key, value, mask, bias, is_causal, scale)
+    np.testing.assert_allclose(
+        jax.jit(run, static_argnums=0)(tiled, query, key, value, bias, scale), want, atol=F32_OUT_ATOL
+    )
+
+    def loss(attend, *args):
+        return jnp.sum(jnp.sin(run(attend, *args)))
+
+    argnums = (0, 1, 2, 4) if bias is None else (0, 1, 2, 3, 4)
+    got = jax.jit(jax.grad(functools.partial(loss, tiled), argnums))(query, key, value, bias, scale)
+    expected = jax.jit(jax.grad(functools.partial(loss, reference), argnums))(query, key, value, bias, scale)
+    for g, e in zip(got, expected, strict=True):
+        assert np.shape(g) == np.shape(e)
+        np.testing.assert_allclose(g, e, **F32_GRAD_TOL)
+
+
+def test_chunked_gradients_float64_finite_differences():
+    rng = np.random.default_rng(3)
+    query, key, value = (rng.normal(size=(2, n, 2, 3)) for n in (5, 6, 6))
+    mask = rng.random((2, 1, 5, 6)) < 0.8
+    mask[0, 0, 1] = False  # a fully masked row
+
+    @jax.jit
+    def attend(q, k, v, b):
+        return chunked_attention(q, k, v, mask=mask, bias=b, is_causal=True, block_q=2, block_k=4)
+
+    with jax.enable_x64(True):
+        check_grads(attend, (query, key, value, rng.normal(size=(2, 5, 6))), order=1, modes=["rev"], eps=1e-5)
+
+
+def test_chunked_skips_blocks_above_the_diagonal():
+    """A block that were computed and masked would turn NaN values into NaN outputs (0 * nan)."""
+    rng = np.random.default_rng(4)
+    query, key, value = (rng.normal(size=(1, 8, 1, 4)).astype(np.float32) for _ in range(3))
+    value[:, 4:] = np.nan  # key block 1, above the diagonal for query block 0
+
+    @jax.jit
+    def attend(q):
+        return chunked_attention(q, key, value, is_causal=True, block_q=4, block_k=4)
+
+    out = np.asarray(attend(query))
+    assert np.isfinite(out[:, :4]).all() and np.isnan(out[:, 4:]).all()
+    query_grad = jax.grad(lambda q: jnp.sum(attend(q)[:, :4]))(query)
+    assert np.isfinite(np.asarray(query_grad)[:, :4]).all()
+
+
+def test_chunked_under_vmap_equals_batched():
+    query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])
+    attend = jax.jit(functools.partial(chunked_attention, is_causal=True, block_q=3, block_k=2))
+    batched = attend(query, key, value, mask=mask)
+    mapped = jax.vmap(lambda q, k, v, m: attend(q, k, v, mask=m))(query, key, value, mask)
+    np.testing.assert_allclose(mapped, batched, atol=1e-6)
+
+
+def shapes(T, S, H=8, Hv=8, dtype=jnp.float32):
+    """Query, key, value shape-dtype structs with batch 2, N = 4, K = 2."""
+    return (
+        jax.ShapeDtypeStruct((2, T, 4, H), dtype),
+        jax.ShapeDtypeStruct((2, S, 2, H), dtype),
+        jax.ShapeDtypeStruct((2, S, 2, Hv), dtype),
+    )
+
+
+LONG = CHUNKED_MIN_KEYS
+MASK = jax.ShapeDtypeStruct((LONG, LONG), jnp.bool_)
+SELECTIONS = [
+    ("cpu short", shapes(8, LONG - 1), {}, "cpu", "reference"),
+    ("cpu long", shapes(8, LONG), {}, "cpu", "chunked"),
+    ("cpu long bf16 masked", shapes(LONG, LONG, dtype=jnp.bfloat16), dict(mask=MASK), "cpu", "chunked"),
+    ("cpu weights", shapes(LONG, LONG), dict(return_weights=True), "cpu", "reference"),
+    ("cpu dropout", shapes(LONG, LONG), dict(dropout_rate=0.1), "cpu", "reference"),
+    ("gpu cudnn", shapes(LONG, LONG, dtype=jnp.bfloat16), dict(is_causal=True), "gpu", "xla"),
+    ("gpu cudnn short", shapes(8, 8, dtype=jnp.bfloat16), {}, "gpu", "xla"),
+    ("gpu causal T != S", shapes(8, LONG, dtype=jnp.bfloat16), dict(is_causal=True), "gpu", "chunked"),
+    ("gpu masked", shapes(LONG, LONG, dtype=jnp.bfloat16), dict(mask=MASK), "gpu", "chunked"),
+    ("gpu float32 long", shapes(LONG, LONG), {}, "gpu", "chunked"),
+    ("gpu float32 short", shapes(8, 8), {}, "gpu", "xla"),
+    ("gpu Hv != H short", shapes(8, 8, Hv=4), {}, "gpu", "reference"),
+    ("gpu weights", shapes(8, 8, dtype=jnp.bfloat16), dict(return_weights=True), "gpu", "reference"),
+    ("tpu", shapes(8, 8, dtype=jnp.bfloat16), {}, "tpu", "xla"),
+]
+
+
+@pytest.mark.parametrize(
+    "inputs,kwargs,platform,expected", [s[1:] for s in SELECTIONS], ids=[s[0] for s in SELECTIONS]
+)
+def test_select_implementation_rule(inputs, kwargs, platform, expected):
+    assert select_implementation(*inputs, platform=platform, **kwargs) == expected
+
+
+@pytest.mark.parametrize("S", [LONG - 1, LONG])
+def test_default_runs_the_selected_path(S):
+    """implementation=None traces to exactly the program of the path the rule names."""
+    inputs = shapes(4, S)
+    expected = select_implementation(*inputs)
+
+    def program(implementation):
+        return str(jax.make_jaxpr(
+            functools.partial(dot_product_attention, is_causal=True, implementation=implementation)
+        )(*inputs))
+
+    assert program(None) == program(expected)
+    assert program(None) != program("reference" if expected == "chunked" else "chunked")
+
+
+def test_multi_head_attention_takes_the_chunked_path_on_long_inputs():
+    model = qkv_jax.MultiHeadAttention(num_heads=2, is_causal=True)
+    inputs = jax.ShapeDtypeStruct((1, LONG, 8), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), inputs)
+    program = str(jax.make_jaxpr(model.apply)(params, inputs))
+    assert "custom_vjp_call" in program  # the chunked kernel's custom VJP
+
+
+HALF_Q, HALF_KV = np.ones((2, 4, 4, 4), np.float16), np.ones((2, 5, 2, 4), np.float16)
+BAD_REQUESTS = [
+    ("unknown", dict(implementation="flash"), "implementation must be None or one of"),
+    ("weights", dict(implementation="chunked", return_weights=True), "cannot return attention weights"),
+    ("weights xla", dict(implementation="xla", return_weights=True), "cannot return attention weights"),
+    (
+        "dropout",
+        dict(implementation="chunked", dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0)),
+        "does not implement dropout (dropout_rate=0.1",
+    ),
+    ("value depth", dict(implementation="xla", value=np.ones((2, 5, 2, 3), np.float32)), "Hv=3 and H=4"),
+    (
+        "xla float16 on CPU",
+        dict(implementation="xla", query=HALF_Q, key=HALF_KV, value=HALF_KV),
+        "cannot compile float16 on CPU",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,override,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_ineligible_requests_raise(name, override, message):
+    args = dict(
+        query=np.ones((2, 4, 4, 4), np.float32),
+        key=np.ones((2, 5, 2, 4), np.float32),
+        value=np.ones((2, 5, 2, 4), np.float32),
+    )
+    args.update(override)
+    with pytest.raises(ValueError) as info:
+        dot_product_attention(**args)
+    assert message in str(info.value)
+
+
+def test_xla_refuses_float64():
+    with jax.enable_x64(True):
+        query = np.ones((4, 2, 4))
+        with pytest.raises(ValueError, match="cannot serve float64"):
+            dot_product_attention(query, query, query, implementation="xla")
