@@ -322,8 +322,9 @@ def measure_long(args, allocator: str, T: int) -> list[dict]:
                     record["skipped"] = f"needs about {materialised_gib(T, pass_):.0f} GiB"
                 else:
                     case = f"{T},{int(causal)},{pass_},{impl}"
-                    record.update(run_worker(["--worker", "long", "--case", case, *shared_worker_args(args)],
-                                             allocator))
+                    record.update(
+                        run_worker(["--worker", "long", "--case", case, *shared_worker_args(args)], allocator)
+                    )
                 records.append(record)
                 outcome = record.get("skipped") or record.get("error") or cell(record)
                 print(f"[{allocator}] T={T} causal={causal} {pass_} {impl}: {outcome}", file=sys.stderr)
@@ -381,6 +382,7 @@ def time_table(records: list[dict], impls: list[str]) -> list[str]:
 
 def acceptance_ratios(records: list[dict], allocator: str) -> dict:
     """The issue's acceptance figures: time ratios (above 1: the first is slower) and peaks."""
+
     def key(r):
         return r["T"], r["causal"], r["pass_"], r["impl"]
 
@@ -405,8 +407,11 @@ def acceptance_ratios(records: list[dict], allocator: str) -> dict:
             name = f"T=2048 {mask} fwd+bwd {first} time / {second}"
             put(name, over(first, second, 2048, causal, "fwd+bwd"))
         for pass_ in PASSES:
-            jax_paths = [seconds[(128, causal, pass_, i)] for i in MATERIALISING + ("chunked",)
-                         if (128, causal, pass_, i) in seconds]
+            jax_paths = [
+                seconds[(128, causal, pass_, i)]
+                for i in MATERIALISING + ("chunked",)
+                if (128, causal, pass_, i) in seconds
+            ]
             default = seconds.get((128, causal, pass_, "default"))
             if default and jax_paths:
                 put(f"T=128 {mask} {pass_} default time / fastest JAX path", default / min(jax_paths))
@@ -426,8 +431,11 @@ def cpu_main(args) -> None:
             f"**{allocator}** (`LD_PRELOAD={preload}`): median ms (useful GFLOP/s; peak resident GiB "
             f"for T >= {args.long_from}, each in a fresh process)."
             + (f" Float32 matmul ceiling: {ceiling}." if ceiling else "")
-            + (f" A process that only imports and makes the inputs peaks at {baseline:.2f} GiB."
-               if baseline else ""),
+            + (
+                f" A process that only imports and makes the inputs peaks at {baseline:.2f} GiB."
+                if baseline
+                else ""
+            ),
             "",
             *time_table(records, args.impls),
             "",
@@ -437,8 +445,9 @@ def cpu_main(args) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    path = write_results("attention", command.strip(),
-                         {"title": "Attention on CPU", **data, "table": table, "ratios": ratios})
+    path = write_results(
+        "attention", command.strip(), {"title": "Attention on CPU", **data, "table": table, "ratios": ratios}
+    )
     print(f"wrote {path.relative_to(ROOT)}")
 
 
@@ -480,9 +489,16 @@ def tune_blocks(args) -> None:
     print("\n".join(table))
     print(best)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    path = write_results("attention_blocks", command,
-                         {"title": "Chunked attention tile sizes on CPU", "table": table, "ratios": best,
-                          "times_s": {str(case): t for case, t in times.items()}})
+    path = write_results(
+        "attention_blocks",
+        command,
+        {
+            "title": "Chunked attention tile sizes on CPU",
+            "table": table,
+            "ratios": best,
+            "times_s": {str(case): t for case, t in times.items()},
+        },
+    )
     print(f"wrote {path.relative_to(ROOT)}")
 
 
@@ -562,8 +578,11 @@ def gpu_main(args) -> None:
                 for pass_ in PASSES:
                     row = [index[(dtype, T, causal, pass_, impl)] for impl in GPU_IMPLS]
                     mask = "causal" if causal else "none"
-                    table.append(f"| {dtype} | {T} | {mask} | {pass_} | "
-                                 + " | ".join(gpu_cell(r, shape) for r in row) + " |")
+                    table.append(
+                        f"| {dtype} | {T} | {mask} | {pass_} | "
+                        + " | ".join(gpu_cell(r, shape) for r in row)
+                        + " |"
+                    )
                     default, cudnn = row[0], row[-1]
                     if "median_s" in default and "median_s" in cudnn:
                         name = f"{dtype} T={T} {mask} {pass_}: default time / cuDNN"
@@ -574,9 +593,17 @@ def gpu_main(args) -> None:
     if args.dry_run:
         return
     command = "bash benchmarks/gpu.sh  # python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    path = write_results("attention_gpu", command,
-                         {"title": f"Attention on {device.device_kind}", "device": str(device),
-                          "records": records, "table": table, "ratios": ratios})
+    path = write_results(
+        "attention_gpu",
+        command,
+        {
+            "title": f"Attention on {device.device_kind}",
+            "device": str(device),
+            "records": records,
+            "table": table,
+            "ratios": ratios,
+        },
+    )
     print(f"wrote {path.relative_to(ROOT)}")
 
 
@@ -593,8 +620,11 @@ def parse_args(argv=None):
     parser.add_argument("--long-from", type=int, default=2048, help="lengths from here: a process per case")
     parser.add_argument("--max-gib", type=float, help="memory budget (default 85%% of what is available)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--allocators", type=lambda t: t.split(","),
-                        help="tcmalloc,glibc (default both when tcmalloc is installed)")
+    parser.add_argument(
+        "--allocators",
+        type=lambda t: t.split(","),
+        help="tcmalloc,glibc (default both when tcmalloc is installed)",
+    )
     parser.add_argument("--tune-blocks", action="store_true", help="time the chunked path's tile sizes")
     parser.add_argument("--gpu", action="store_true", help="accelerator run (benchmarks/gpu.sh)")
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: tiny sizes on any device")

@@ -61,9 +61,7 @@ def write_results(name: str, command: str, data: dict) -> pathlib.Path:
 def run_timed(args: list[str], env: dict | None = None, cwd: pathlib.Path = ROOT) -> tuple[float, str]:
     """Runs a command; returns (wall seconds, stdout). Raises on failure."""
     started = time.perf_counter()
-    result = subprocess.run(
-        args, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True
-    )
+    result = subprocess.run(args, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{result.stderr[-2000:]}")

@@ -29,8 +29,16 @@ IMPORTS = "import jax, flax.linen, optax, orbax.checkpoint, ml_collections, absl
 
 def ours(workdir: pathlib.Path, cache: pathlib.Path, env: dict) -> dict:
     wall, _ = run_timed(
-        [PYTHON, "-m", "experiments.train", "--config", "configs/flag_retrieval.py",
-         "--workdir", str(workdir), f"--compilation_cache={cache}"],
+        [
+            PYTHON,
+            "-m",
+            "experiments.train",
+            "--config",
+            "configs/flag_retrieval.py",
+            "--workdir",
+            str(workdir),
+            f"--compilation_cache={cache}",
+        ],
         env=env,
     )
     summary = json.loads((workdir / "summary.json").read_text())
@@ -49,7 +57,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     env = {"PYTHONPATH": str(ROOT)}
-    runs: dict[str, list[dict]] = {k: [] for k in ("torch", "torch-1t", "ours-cold", "ours-warm", "jax-import")}
+    runs: dict[str, list[dict]] = {
+        k: [] for k in ("torch", "torch-1t", "ours-cold", "ours-warm", "jax-import")
+    }
     for round_ in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             tmp = pathlib.Path(tmp)
@@ -63,8 +73,10 @@ def main() -> None:
             runs["jax-import"].append({"process_s": wall})
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
 
-    med = {name: {key: median([r[key] for r in rs]) for key in rs[0] if isinstance(rs[0][key], float)}
-           for name, rs in runs.items()}
+    med = {
+        name: {key: median([r[key] for r in rs]) for key in rs[0] if isinstance(rs[0][key], float)}
+        for name, rs in runs.items()
+    }
     ratios = {
         "loop_speedup_vs_torch": med["torch"]["loop_s"] / med["ours-cold"]["loop_s"],
         "loop_speedup_vs_torch_1_thread": med["torch-1t"]["loop_s"] / med["ours-cold"]["loop_s"],
@@ -73,14 +85,44 @@ def main() -> None:
         "warm_cache_speedup": med["ours-cold"]["process_s"] / med["ours-warm"]["process_s"],
     }
     rows = [
-        ("PyTorch seed loop, default threads", med["torch"]["process_s"], med["torch"]["import_s"], None, med["torch"]["loop_s"]),
-        ("PyTorch seed loop, 1 thread", med["torch-1t"]["process_s"], med["torch-1t"]["import_s"], None, med["torch-1t"]["loop_s"]),
-        ("qkv_jax, empty compilation cache", med["ours-cold"]["process_s"], med["jax-import"]["process_s"], med["ours-cold"]["compile_s"], med["ours-cold"]["loop_s"]),
-        ("qkv_jax, cache filled", med["ours-warm"]["process_s"], med["jax-import"]["process_s"], med["ours-warm"]["compile_s"], med["ours-warm"]["loop_s"]),
+        (
+            "PyTorch seed loop, default threads",
+            med["torch"]["process_s"],
+            med["torch"]["import_s"],
+            None,
+            med["torch"]["loop_s"],
+        ),
+        (
+            "PyTorch seed loop, 1 thread",
+            med["torch-1t"]["process_s"],
+            med["torch-1t"]["import_s"],
+            None,
+            med["torch-1t"]["loop_s"],
+        ),
+        (
+            "qkv_jax, empty compilation cache",
+            med["ours-cold"]["process_s"],
+            med["jax-import"]["process_s"],
+            med["ours-cold"]["compile_s"],
+            med["ours-cold"]["loop_s"],
+        ),
+        (
+            "qkv_jax, cache filled",
+            med["ours-warm"]["process_s"],
+            med["jax-import"]["process_s"],
+            med["ours-warm"]["compile_s"],
+            med["ours-warm"]["loop_s"],
+        ),
     ]
-    table = ["| run | whole process (s) | import (s) | compile (s) | 2000-step loop (s) |", "|---|---|---|---|---|"]
+    table = [
+        "| run | whole process (s) | import (s) | compile (s) | 2000-step loop (s) |",
+        "|---|---|---|---|---|",
+    ]
     for name, process, imp, compile_, loop in rows:
-        table.append(f"| {name} | {process:.2f} | {imp:.2f} | {'-' if compile_ is None else f'{compile_:.2f}'} | {loop:.3f} |")
+        table.append(
+            f"| {name} | {process:.2f} | {imp:.2f} | "
+            f"{'-' if compile_ is None else f'{compile_:.2f}'} | {loop:.3f} |"
+        )
     print("\n".join(table))
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")

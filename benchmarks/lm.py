@@ -97,10 +97,10 @@ def worker_decode() -> dict:
     for batch in DECODE_BATCHES:
         prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(batch), (batch, 1), 1, model.vocab_size))
 
-        def cached():
+        def cached(prompt=prompt):
             return generate(model, params, prompt, NEW_TOKENS, rng=jax.random.PRNGKey(0), temperature=0.0)
 
-        def full():
+        def full(prompt=prompt):
             return recompute(model, params, prompt, NEW_TOKENS)
 
         same = np.array_equal(np.asarray(cached()), np.asarray(full()))  # compiles both
@@ -140,7 +140,9 @@ def worker_jax_train(name: str, steps: int) -> dict:
         compile_s = time.perf_counter() - started
         warm, losses = chunk(state, keys["data"], setup.data)  # the first call pays one-time costs
         losses.block_until_ready()
-        run_s = timed_median(lambda: chunk(warm, keys["data"], setup.data)[1].block_until_ready(), 2)
+        run_s = timed_median(
+            lambda chunk=chunk, warm=warm: chunk(warm, keys["data"], setup.data)[1].block_until_ready(), 2
+        )
         results[f"opt_level_{level}"] = {
             "compile_s": compile_s,
             "step_s": run_s / steps,
@@ -164,10 +166,15 @@ def worker_torch_train(name: str, steps: int, threads: int | None) -> dict:
     corpus = torch.from_numpy(train_ids.astype(np.int64))
     model_fields, train = config["model"], config["train"]
     model = TorchLM(
-        vocab_size=config["data"]["max_vocab_size"], num_layers=model_fields["num_layers"],
-        d_model=model_fields["d_model"], num_heads=model_fields["num_heads"], max_len=model_fields["max_len"],
+        vocab_size=config["data"]["max_vocab_size"],
+        num_layers=model_fields["num_layers"],
+        d_model=model_fields["d_model"],
+        num_heads=model_fields["num_heads"],
+        max_len=model_fields["max_len"],
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train["learning_rate"], weight_decay=train["weight_decay"])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=train["learning_rate"], weight_decay=train["weight_decay"]
+    )
     batch, seq_len = train["batch_size"], config["task"]["seq_len"]
     generator = torch.Generator().manual_seed(0)
 
@@ -199,7 +206,9 @@ def one_round(tcmalloc: bool, steps: int, have_torch: bool) -> dict:
         results[name] = {"jax": spawn(["--worker", "jax-train", *args], tcmalloc)}
         if have_torch:
             results[name]["torch"] = spawn(["--worker", "torch-train", *args], tcmalloc)
-            results[name]["torch_1_thread"] = spawn(["--worker", "torch-train", *args, "--threads", "1"], tcmalloc)
+            results[name]["torch_1_thread"] = spawn(
+                ["--worker", "torch-train", *args, "--threads", "1"], tcmalloc
+            )
     return results
 
 
@@ -228,12 +237,23 @@ def table(results: dict, allocators: list[str], have_torch: bool) -> list[str]:
         for level in (1, 2):
             level_key = (name, "jax", f"opt_level_{level}")
             rows += [
-                (f"{name} training, qkv_jax opt level {level} (tokens/s)", (*level_key, "tokens_per_s"), "{:.0f}"),
-                (f"{name} training, qkv_jax opt level {level} compile (s)", (*level_key, "compile_s"), "{:.1f}"),
+                (
+                    f"{name} training, qkv_jax opt level {level} (tokens/s)",
+                    (*level_key, "tokens_per_s"),
+                    "{:.0f}",
+                ),
+                (
+                    f"{name} training, qkv_jax opt level {level} compile (s)",
+                    (*level_key, "compile_s"),
+                    "{:.1f}",
+                ),
             ]
-        peers = (("torch", "eager PyTorch"), ("torch_1_thread", "eager PyTorch, 1 thread")) if have_torch else ()
+        peers = (
+            (("torch", "eager PyTorch"), ("torch_1_thread", "eager PyTorch, 1 thread")) if have_torch else ()
+        )
         rows += [
-            (f"{name} training, {label} (tokens/s)", (name, peer, "tokens_per_s"), "{:.0f}") for peer, label in peers
+            (f"{name} training, {label} (tokens/s)", (name, peer, "tokens_per_s"), "{:.0f}")
+            for peer, label in peers
         ]
 
     def get(tree, path):
@@ -243,7 +263,9 @@ def table(results: dict, allocators: list[str], have_torch: bool) -> list[str]:
 
     lines = ["| measurement | " + " | ".join(allocators) + " |", "|---|" + "---|" * len(allocators)]
     for label, path, fmt in rows:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(get(results[a], path)) for a in allocators) + " |")
+        lines.append(
+            f"| {label} | " + " | ".join(fmt.format(get(results[a], path)) for a in allocators) + " |"
+        )
     return lines
 
 
@@ -268,6 +290,7 @@ def main() -> None:
     allocators = ["glibc"] + (["tcmalloc"] if os.path.exists(TCMALLOC) else [])
     try:
         import torch  # noqa: F401
+
         have_torch = True
     except ImportError:
         have_torch = False
@@ -281,7 +304,9 @@ def main() -> None:
     for allocator in allocators:
         r = results[allocator]
         for batch in DECODE_BATCHES:
-            ratios[f"{allocator}/decode_kv_cache_speedup_batch{batch}"] = r["decode"][f"batch{batch}"]["speedup"]
+            ratios[f"{allocator}/decode_kv_cache_speedup_batch{batch}"] = r["decode"][f"batch{batch}"][
+                "speedup"
+            ]
         for name in MODELS:
             jax_level_1 = r[name]["jax"]["opt_level_1"]
             ratios[f"{allocator}/{name}_opt_level_1_over_2_tokens_per_s"] = (
@@ -303,9 +328,16 @@ def main() -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     path = write_results(
-        "lm", f"python benchmarks/lm.py --steps {args.steps} --rounds {args.rounds}",
-        {"table": lines, "ratios": ratios, "results": results, "rounds": rounds,
-         "new_tokens": NEW_TOKENS, "steps": args.steps},
+        "lm",
+        f"python benchmarks/lm.py --steps {args.steps} --rounds {args.rounds}",
+        {
+            "table": lines,
+            "ratios": ratios,
+            "results": results,
+            "rounds": rounds,
+            "new_tokens": NEW_TOKENS,
+            "steps": args.steps,
+        },
     )
     print(f"wrote {path.relative_to(ROOT)}")
 

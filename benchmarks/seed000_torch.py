@@ -53,7 +53,7 @@ class LearnedAttention(nn.Module):
 model = LearnedAttention(d_model, d_k)
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 loop_started = time.perf_counter()
-for step in range(2000):
+for _ in range(2000):
     X, targets, flag_pos = make_batch(32)
     output, weights = model(X)
     loss = F.mse_loss(output, targets)
@@ -66,11 +66,15 @@ X, targets, flag_pos = make_batch(10000)
 with torch.no_grad():
     _, weights = model(X)
 accuracy = (weights.argmax(-1) == flag_pos).float().mean().item()
-print(json.dumps({
-    "import_s": imported - started,
-    "loop_s": loop_s,
-    "script_s": time.perf_counter() - started,
-    "final_loss": loss.item(),
-    "accuracy": accuracy,
-    "threads": torch.get_num_threads(),
-}))
+print(
+    json.dumps(
+        {
+            "import_s": imported - started,
+            "loop_s": loop_s,
+            "script_s": time.perf_counter() - started,
+            "final_loss": loss.item(),
+            "accuracy": accuracy,
+            "threads": torch.get_num_threads(),
+        }
+    )
+)

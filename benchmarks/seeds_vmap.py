@@ -49,8 +49,14 @@ def main() -> None:
         print(f"{name}: {value:.2f}x")
     path = write_results(
         "seeds_vmap",
-        f"python benchmarks/seeds_vmap.py --seeds {args.seeds} --rounds {args.rounds} --variant {args.variant}",
-        {"table": table, "ratios": ratios, "medians": {str(n): m for n, m in med.items()}, "runs": {str(n): t for n, t in times.items()}},
+        f"python benchmarks/seeds_vmap.py --seeds {args.seeds} --rounds {args.rounds} "
+        f"--variant {args.variant}",
+        {
+            "table": table,
+            "ratios": ratios,
+            "medians": {str(n): m for n, m in med.items()},
+            "runs": {str(n): t for n, t in times.items()},
+        },
     )
     print(f"wrote {path}")
 

@@ -84,40 +84,61 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
     common = {
-        "train.steps": args.steps, "train.batch_size": args.batch_size, "train.log_every": 100,
-        "train.checkpoint_every": args.steps, "model.num_heads": args.num_heads,
+        "train.steps": args.steps,
+        "train.batch_size": args.batch_size,
+        "train.log_every": 100,
+        "train.checkpoint_every": args.steps,
+        "model.num_heads": args.num_heads,
     }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for devices in (1, 2, 4, 8):
-            rows.append(spawn({
-                "devices": devices, "config": args.config, "workdir": f"{tmp}/{devices}",
-                "overrides": {**common, "mesh.data": devices, "mesh.model": 1},
-            }))
+            rows.append(
+                spawn(
+                    {
+                        "devices": devices,
+                        "config": args.config,
+                        "workdir": f"{tmp}/{devices}",
+                        "overrides": {**common, "mesh.data": devices, "mesh.model": 1},
+                    }
+                )
+            )
         memory = {
-            model: spawn({
-                "devices": 4, "config": args.config, "train": False,
-                "overrides": {**common, "mesh.data": 4 // model, "mesh.model": model},
-            })
+            model: spawn(
+                {
+                    "devices": 4,
+                    "config": args.config,
+                    "train": False,
+                    "overrides": {**common, "mesh.data": 4 // model, "mesh.model": model},
+                }
+            )
             for model in (1, 4)
         }
     table = ["| devices (mesh.data) | steps/s | final loss |", "|---|---|---|"]
     table += [f"| {r['devices']} | {r['steps_per_s']:.1f} | {r['final_loss']:.4g} |" for r in rows]
-    table += ["", "| mesh.model (4 devices) | params bytes per device | optimizer state bytes per device |", "|---|---|---|"]
+    table += [
+        "",
+        "| mesh.model (4 devices) | params bytes per device | optimizer state bytes per device |",
+        "|---|---|---|",
+    ]
     table += [
         f"| {model} | {m['params_bytes_per_device']:,} | {m['opt_state_bytes_per_device']:,} |"
         for model, m in memory.items()
     ]
     ratios = {
         "steps_per_s_8_devices_over_1": rows[-1]["steps_per_s"] / rows[0]["steps_per_s"],
-        "params_bytes_model_4_over_1": memory[4]["params_bytes_per_device"] / memory[1]["params_bytes_per_device"],
-        "opt_state_bytes_model_4_over_1": memory[4]["opt_state_bytes_per_device"] / memory[1]["opt_state_bytes_per_device"],
+        "params_bytes_model_4_over_1": memory[4]["params_bytes_per_device"]
+        / memory[1]["params_bytes_per_device"],
+        "opt_state_bytes_model_4_over_1": memory[4]["opt_state_bytes_per_device"]
+        / memory[1]["opt_state_bytes_per_device"],
     }
     print("\n".join(table))
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = f"python benchmarks/sharding.py --config {args.config} --steps {args.steps}"
-    path = write_results("sharding", command, {"table": table, "ratios": ratios, "rows": rows, "memory": memory})
+    path = write_results(
+        "sharding", command, {"table": table, "ratios": ratios, "rows": rows, "memory": memory}
+    )
     print(f"wrote {path}")
 
 

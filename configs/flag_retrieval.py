@@ -24,7 +24,8 @@ Any field can be overridden, e.g. --config.train.steps=500 --config.model.d_k=4.
 
 Sweeps (`get_sweep(variant)` gives each variant's grid; see docs/experiments.md):
 
-  python -m experiments.sweep --config configs/flag_retrieval.py:two_flag --workdir runs/two_flag_heads --seeds 4
+  python -m experiments.sweep --config configs/flag_retrieval.py:two_flag \
+      --workdir runs/two_flag_heads --seeds 4
 """
 
 import ml_collections

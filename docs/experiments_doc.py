@@ -18,7 +18,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,7 +31,9 @@ DOC = ROOT / "docs" / "experiments.md"
 def run(command: list[str]) -> None:
     print("$", " ".join(command), file=sys.stderr)
     subprocess.run(
-        [sys.executable, "-m", *command], cwd=ROOT, check=True,
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        check=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
 
@@ -71,10 +73,23 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 # --- Seed 000: learned against static attention ---------------------------------------
 
+
 def flag_learned_vs_static() -> str:
     commands = {
-        "learned": ["experiments.train", "--config", "configs/flag_retrieval.py", "--workdir", "runs/studies/flag"],
-        "static": ["experiments.train", "--config", "configs/flag_retrieval.py:static", "--workdir", "runs/studies/flag_static"],
+        "learned": [
+            "experiments.train",
+            "--config",
+            "configs/flag_retrieval.py",
+            "--workdir",
+            "runs/studies/flag",
+        ],
+        "static": [
+            "experiments.train",
+            "--config",
+            "configs/flag_retrieval.py:static",
+            "--workdir",
+            "runs/studies/flag_static",
+        ],
     }
     summaries = {}
     for name, command in commands.items():
@@ -92,7 +107,9 @@ def flag_learned_vs_static() -> str:
         for key, text in metrics
     ]
     image = copy_image(ROOT / "runs/studies/flag/attention_after.png", "study_flag_attention_after.png")
-    image_before = copy_image(ROOT / "runs/studies/flag/attention_before.png", "study_flag_attention_before.png")
+    image_before = copy_image(
+        ROOT / "runs/studies/flag/attention_before.png", "study_flag_attention_before.png"
+    )
     solved = learned["eval_accuracy"] >= 0.999 and learned["final_loss"] < 1e-3
     static_near_chance = static["eval_accuracy"] < 0.5
     answer = (
@@ -103,29 +120,38 @@ def flag_learned_vs_static() -> str:
         f"loss {fmt(learned['final_loss'], 3)}. "
         + ("Seed 000's claim holds. " if solved else "Seed 000's claim does not fully hold here. ")
         + f"Static attention, with nothing to learn, reaches {fmt(100 * static['eval_accuracy'])}%"
-        + (" (chance is 20%): embedding similarity alone does not find the flag." if static_near_chance else ".")
+        + (
+            " (chance is 20%): embedding similarity alone does not find the flag."
+            if static_near_chance
+            else "."
+        )
     )
-    return "\n".join([
-        "## Seed 000: learned Q/K/V find the flagged token; static attention does not",
-        "",
-        "**Question.** Seed 000 (section 4) trains a learned query vector with W_q, W_k, W_v on a task "
-        "where each of 5 tokens carries fresh random content and one flag channel marks the position "
-        "whose content is the target. It reports the loss near zero by step 400 and the flagged "
-        "position top-attended on 10 of 10 fresh examples, and argues that static attention, with "
-        "nothing trainable, cannot do this.",
-        "",
-        "**Commands.**",
-        "",
-        "```bash",
-        *(shown(c) for c in commands.values()),
-        "```",
-        "",
-        table(["metric (10,000 fresh examples)", "static", "learned, untrained", "learned, trained"], rows),
-        "",
-        f"| before training | after training |\n|---|---|\n| ![before]({image_before}) | ![after]({image}) |",
-        "",
-        f"**Answer.** {answer}",
-    ])
+    return "\n".join(
+        [
+            "## Seed 000: learned Q/K/V find the flagged token; static attention does not",
+            "",
+            "**Question.** Seed 000 (section 4) trains a learned query vector with W_q, W_k, W_v on a task "
+            "where each of 5 tokens carries fresh random content and one flag channel marks the position "
+            "whose content is the target. It reports the loss near zero by step 400 and the flagged "
+            "position top-attended on 10 of 10 fresh examples, and argues that static attention, with "
+            "nothing trainable, cannot do this.",
+            "",
+            "**Commands.**",
+            "",
+            "```bash",
+            *(shown(c) for c in commands.values()),
+            "```",
+            "",
+            table(
+                ["metric (10,000 fresh examples)", "static", "learned, untrained", "learned, trained"], rows
+            ),
+            "",
+            "| before training | after training |\n|---|---|\n"
+            f"| ![before]({image_before}) | ![after]({image}) |",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
 
 
 def learned_examples(summary: dict) -> str:
@@ -135,14 +161,28 @@ def learned_examples(summary: dict) -> str:
 
 # --- Seed 000's open question: several heads against one wider head ---------------------
 
+
 def two_flag_heads() -> str:
     workdir = "runs/studies/two_flag_heads"
-    command = ["experiments.sweep", "--config", "configs/flag_retrieval.py:two_flag", "--workdir", workdir, "--seeds", "4"]
+    command = [
+        "experiments.sweep",
+        "--config",
+        "configs/flag_retrieval.py:two_flag",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "4",
+    ]
     run(command)
     rows = [r for r in sweep_rows(ROOT / workdir) if r["status"] == "done"]
     body = [
-        [str(r["cell"]["model.d_k"]), str(r["cell"]["model.num_heads"]), stat_cell(r, "eval_decode_accuracy"),
-         stat_cell(r, "eval_mse"), stat_cell(r, "eval_entropy")]
+        [
+            str(r["cell"]["model.d_k"]),
+            str(r["cell"]["model.num_heads"]),
+            stat_cell(r, "eval_decode_accuracy"),
+            stat_cell(r, "eval_mse"),
+            stat_cell(r, "eval_entropy"),
+        ]
         for r in rows
     ]
     heatmap = copy_image(ROOT / workdir / "eval_decode_accuracy_heatmap.png", "study_two_flag_heatmap.png")
@@ -156,7 +196,11 @@ def two_flag_heads() -> str:
     answer = (
         f"With one head, no seed at any width d_k in {widths} decodes more than "
         f"{fmt(100 * best_one)}% of the flagged contents; with 2 or 4 heads every seed of every "
-        + (f"cell decodes all of them. " if worst_many == 1.0 else f"cell decodes at least {fmt(100 * worst_many)}%. ")
+        + (
+            "cell decodes all of them. "
+            if worst_many == 1.0
+            else f"cell decodes at least {fmt(100 * worst_many)}%. "
+        )
     )
     if separated:
         answer += (
@@ -169,49 +213,66 @@ def two_flag_heads() -> str:
         )
     else:
         answer += "The measured separation between one head and several is not clean; see the table."
-    return "\n".join([
-        "## Seed 000's open question: several heads or one wider head?",
-        "",
-        "**Question.** Seed 000 ends by asking what a layer gains from several independently trained "
-        "heads compared with one head with a proportionally bigger d_k: \"does a single head have any "
-        "way to simultaneously prioritize two genuinely different notions of relevance at once?\"",
-        "",
-        "**Design.** A task that needs two notions of relevance at once: two flag channels mark two "
-        "different positions, and the target is both flagged contents side by side (6 + 6 numbers). "
-        "The model is `MultiHeadAttention` read by one learned query token, without biases. The heads "
-        "split a fixed total query/key width d_k and a fixed total value width of 12 (enough to "
-        "carry both contents), so at a given d_k every head count has exactly the same number of "
-        "parameters, the same optimizer (Adam, 0.01), steps (2000), batches and seeds (4 per cell, "
-        "trained together with `jax.vmap`). The metric is decode accuracy: the share of predicted "
-        "content slots nearest (L2) to the content at their flagged position.",
-        "",
-        f"**Command** (about a minute on 2 CPU cores): `{shown(command)}`",
-        "",
-        table(["d_k (total)", "heads", "decode accuracy", "mse", "attention entropy (nats)"], body),
-        "",
-        f"| decode accuracy, d_k x heads | against d_k |\n|---|---|\n| ![heatmap]({heatmap}) | ![lines]({lines}) |",
-        "",
-        f"**Answer.** {answer}",
-    ])
+    return "\n".join(
+        [
+            "## Seed 000's open question: several heads or one wider head?",
+            "",
+            "**Question.** Seed 000 ends by asking what a layer gains from several independently trained "
+            'heads compared with one head with a proportionally bigger d_k: "does a single head have any '
+            'way to simultaneously prioritize two genuinely different notions of relevance at once?"',
+            "",
+            "**Design.** A task that needs two notions of relevance at once: two flag channels mark two "
+            "different positions, and the target is both flagged contents side by side (6 + 6 numbers). "
+            "The model is `MultiHeadAttention` read by one learned query token, without biases. The heads "
+            "split a fixed total query/key width d_k and a fixed total value width of 12 (enough to "
+            "carry both contents), so at a given d_k every head count has exactly the same number of "
+            "parameters, the same optimizer (Adam, 0.01), steps (2000), batches and seeds (4 per cell, "
+            "trained together with `jax.vmap`). The metric is decode accuracy: the share of predicted "
+            "content slots nearest (L2) to the content at their flagged position.",
+            "",
+            f"**Command** (about a minute on 2 CPU cores): `{shown(command)}`",
+            "",
+            table(["d_k (total)", "heads", "decode accuracy", "mse", "attention entropy (nats)"], body),
+            "",
+            "| decode accuracy, d_k x heads | against d_k |\n|---|---|\n"
+            f"| ![heatmap]({heatmap}) | ![lines]({lines}) |",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
 
 
 # --- The smallest d_k for one flag -------------------------------------------------------
 
+
 def flag_min_dk() -> str:
     workdir = "runs/studies/flag_min_dk"
-    command = ["experiments.sweep", "--config", "configs/flag_retrieval.py", "--workdir", workdir, "--seeds", "8"]
+    command = [
+        "experiments.sweep",
+        "--config",
+        "configs/flag_retrieval.py",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "8",
+    ]
     run(command)
     rows = [r for r in sweep_rows(ROOT / workdir) if r["status"] == "done"]
     body = [
-        [str(r["cell"]["model.d_k"]), stat_cell(r, "eval_accuracy"), stat_cell(r, "final_loss"),
-         stat_cell(r, "steps_to_loss_below_1e-2")]
+        [
+            str(r["cell"]["model.d_k"]),
+            stat_cell(r, "eval_accuracy"),
+            stat_cell(r, "final_loss"),
+            stat_cell(r, "steps_to_loss_below_1e-2"),
+        ]
         for r in rows
     ]
     solving = [r["cell"]["model.d_k"] for r in rows if r["eval_accuracy_stats"]["min"] >= 0.999]
     answer = (
         f"The smallest d_k at which every one of the {len(rows[0]['seeds'])} seeds reaches 99.9% "
         f"accuracy is {min(solving)}."
-        if solving else "No d_k in the sweep solves the task for every seed."
+        if solving
+        else "No d_k in the sweep solves the task for every seed."
     )
     if solving and min(solving) == 1:
         answer += (
@@ -220,35 +281,50 @@ def flag_min_dk() -> str:
             "scaled up by W_q, expresses it."
         )
     image = copy_image(ROOT / workdir / "eval_accuracy_vs_d_k.png", "study_min_dk.png")
-    return "\n".join([
-        "## The smallest d_k that solves the one-flag task",
-        "",
-        "**Question.** How wide must the learned query/key projection be for seed 000's task?",
-        "",
-        f"**Command:** `{shown(command)}` (seed 000's model and training, 8 seeds per width).",
-        "",
-        table(["d_k", "accuracy", "final training loss", "first logged step with loss < 1e-2"], body),
-        "",
-        f"![accuracy against d_k]({image})",
-        "",
-        f"**Answer.** {answer}",
-    ])
+    return "\n".join(
+        [
+            "## The smallest d_k that solves the one-flag task",
+            "",
+            "**Question.** How wide must the learned query/key projection be for seed 000's task?",
+            "",
+            f"**Command:** `{shown(command)}` (seed 000's model and training, 8 seeds per width).",
+            "",
+            table(["d_k", "accuracy", "final training loss", "first logged step with loss < 1e-2"], body),
+            "",
+            f"![accuracy against d_k]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
 
 
 # --- Seed 002's thermostat ---------------------------------------------------------------
 
+
 def thermostat() -> str:
     workdir = "runs/studies/thermostat"
     command = [
-        "experiments.sweep", "--config", "configs/flag_retrieval.py:thermostat", "--workdir", workdir,
-        "--seeds", "4", "--config.train.log_every=10",
+        "experiments.sweep",
+        "--config",
+        "configs/flag_retrieval.py:thermostat",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "4",
+        "--config.train.log_every=10",
     ]
     run(command)
     rows = [r for r in sweep_rows(ROOT / workdir) if r["status"] == "done"]
     body = [
-        [str(r["cell"]["model.d_k"]), "1/sqrt(d_k)" if r["cell"]["model.scaled"] else "none",
-         stat_cell(r, "untrained_eval_entropy"), stat_cell(r, "steps_to_loss_below_1e-2"),
-         stat_cell(r, "final_loss"), stat_cell(r, "eval_entropy"), stat_cell(r, "eval_accuracy")]
+        [
+            str(r["cell"]["model.d_k"]),
+            "1/sqrt(d_k)" if r["cell"]["model.scaled"] else "none",
+            stat_cell(r, "untrained_eval_entropy"),
+            stat_cell(r, "steps_to_loss_below_1e-2"),
+            stat_cell(r, "final_loss"),
+            stat_cell(r, "eval_entropy"),
+            stat_cell(r, "eval_accuracy"),
+        ]
         for r in rows
     ]
     image = plot_thermostat_curves(rows, IMAGES / "study_thermostat_curves.png")
@@ -264,36 +340,57 @@ def thermostat() -> str:
         f"steps unscaled against {fmt(scaled['steps_to_loss_below_1e-2_stats']['mean'])} scaled "
         f"(mean over seeds, logged every 10 steps). "
     )
-    slower = unscaled["steps_to_loss_below_1e-2_stats"]["mean"] > scaled["steps_to_loss_below_1e-2_stats"]["mean"]
+    slower = (
+        unscaled["steps_to_loss_below_1e-2_stats"]["mean"] > scaled["steps_to_loss_below_1e-2_stats"]["mean"]
+    )
     still_solves = unscaled["eval_accuracy_stats"]["min"] >= 0.99
     answer += (
-        ("So the thermostat matters for the start of training: without it convergence is slower. " if slower
-         else "On this task the scale does not change how fast training converges. ")
-        + ("It is not what makes the task learnable here: Adam rescales each parameter's step, and "
-           "the unscaled model still solves the task"
-           + (", ending with even sharper attention." if unscaled["eval_entropy_stats"]["mean"] < scaled["eval_entropy_stats"]["mean"] else ".")
-           if still_solves else "Without it, some seeds do not solve the task.")
+        "So the thermostat matters for the start of training: without it convergence is slower. "
+        if slower
+        else "On this task the scale does not change how fast training converges. "
+    ) + (
+        "It is not what makes the task learnable here: Adam rescales each parameter's step, and "
+        "the unscaled model still solves the task"
+        + (
+            ", ending with even sharper attention."
+            if unscaled["eval_entropy_stats"]["mean"] < scaled["eval_entropy_stats"]["mean"]
+            else "."
+        )
+        if still_solves
+        else "Without it, some seeds do not solve the task."
     )
-    return "\n".join([
-        "## Seed 002's thermostat: dividing by sqrt(d_k)",
-        "",
-        "**Question.** Seed 002 calls the 1/sqrt(d_k) scale a thermostat on the softmax: dot products "
-        "grow with the key length, big logits make the softmax near one-hot, and a near one-hot row "
-        "passes almost no gradient. Does removing the scale at large d_k slow learning, and how "
-        "peaked are the attention rows?",
-        "",
-        "**Design.** Seed 000's model and task at d_k = 8 to 1024, with and without the scale, "
-        "4 seeds per cell, loss logged every 10 steps.",
-        "",
-        f"**Command:** `{shown(command)}`",
-        "",
-        table(["d_k", "scale", "entropy before training (nats)", "steps to loss < 1e-2",
-               "final loss", "entropy after (nats)", "accuracy"], body),
-        "",
-        f"![training loss, mean over seeds]({image})",
-        "",
-        f"**Answer.** {answer}",
-    ])
+    return "\n".join(
+        [
+            "## Seed 002's thermostat: dividing by sqrt(d_k)",
+            "",
+            "**Question.** Seed 002 calls the 1/sqrt(d_k) scale a thermostat on the softmax: dot products "
+            "grow with the key length, big logits make the softmax near one-hot, and a near one-hot row "
+            "passes almost no gradient. Does removing the scale at large d_k slow learning, and how "
+            "peaked are the attention rows?",
+            "",
+            "**Design.** Seed 000's model and task at d_k = 8 to 1024, with and without the scale, "
+            "4 seeds per cell, loss logged every 10 steps.",
+            "",
+            f"**Command:** `{shown(command)}`",
+            "",
+            table(
+                [
+                    "d_k",
+                    "scale",
+                    "entropy before training (nats)",
+                    "steps to loss < 1e-2",
+                    "final loss",
+                    "entropy after (nats)",
+                    "accuracy",
+                ],
+                body,
+            ),
+            "",
+            f"![training loss, mean over seeds]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
 
 
 def plot_thermostat_curves(rows: list[dict], path: pathlib.Path) -> str:
@@ -304,7 +401,7 @@ def plot_thermostat_curves(rows: list[dict], path: pathlib.Path) -> str:
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     widths = sorted({r["cell"]["model.d_k"] for r in rows})
-    colors = dict(zip(widths, plt.cm.viridis(np.linspace(0, 0.9, len(widths)))))
+    colors = dict(zip(widths, plt.cm.viridis(np.linspace(0, 0.9, len(widths))), strict=True))
     for r in rows:
         curve = np.exp(np.mean(np.log(np.maximum(np.asarray(r["curves"]), 1e-30)), axis=0))  # geometric mean
         style = "-" if r["cell"]["model.scaled"] else "--"
@@ -325,6 +422,7 @@ def plot_thermostat_curves(rows: list[dict], path: pathlib.Path) -> str:
 
 # --- Seed 001: the causal mask, and sharing K/V heads ----------------------------------
 
+
 def lm_causal_mask() -> str:
     workdir = "runs/studies/lm_causal_mask"
     command = ["experiments.lm_studies", "causal_mask", "--workdir", workdir]
@@ -342,30 +440,39 @@ def lm_causal_mask() -> str:
         + f"Measured honestly, seeing only the past as generation must, it scores "
         f"{fmt(unmasked['honest_val_bits_per_char'], 3)} bits/char against the causal model's "
         f"{fmt(causal['honest_val_bits_per_char'], 3)} (unigram baseline {fmt(unigram, 3)})"
-        + (", worse than knowing only character frequencies" if unmasked["honest_val_bits_per_char"] > unigram else "")
+        + (
+            ", worse than knowing only character frequencies"
+            if unmasked["honest_val_bits_per_char"] > unigram
+            else ""
+        )
         + ". "
-        + ("Seed 001's claim holds: the mask is what makes the training signal honest, and the "
-           "samples below show what each model generates." if cheats and honest_worse
-           else "The measurement does not show the claimed gap.")
+        + (
+            "Seed 001's claim holds: the mask is what makes the training signal honest, and the "
+            "samples below show what each model generates."
+            if cheats and honest_worse
+            else "The measurement does not show the claimed gap."
+        )
     )
-    return "\n".join([
-        "## Seed 001: the causal mask is a training constraint",
-        "",
-        "**Question.** Seed 001: \"Without [the causal mask], the model could 'predict' the next "
-        "token by simply looking at it, learning nothing.\" The same character-level transformer "
-        "(`configs/char_lm.py:study`: 2 layers, d_model 128, 8 heads, 128-character windows of the "
-        "Python standard library, 300 AdamW steps) is trained with and without the mask. Training "
-        "loss is measured as trained; validation loss always with the mask (honest), and samples "
-        "are generated one character at a time, seeing only the past.",
-        "",
-        f"**Command:** `{shown(command)}`",
-        "",
-        *record["table"],
-        "",
-        f"![training and validation loss]({image})",
-        "",
-        f"**Answer.** {answer}",
-    ])
+    return "\n".join(
+        [
+            "## Seed 001: the causal mask is a training constraint",
+            "",
+            "**Question.** Seed 001: \"Without [the causal mask], the model could 'predict' the next "
+            'token by simply looking at it, learning nothing." The same character-level transformer '
+            "(`configs/char_lm.py:study`: 2 layers, d_model 128, 8 heads, 128-character windows of the "
+            "Python standard library, 300 AdamW steps) is trained with and without the mask. Training "
+            "loss is measured as trained; validation loss always with the mask (honest), and samples "
+            "are generated one character at a time, seeing only the past.",
+            "",
+            f"**Command:** `{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![training and validation loss]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
 
 
 def lm_kv_heads() -> str:
@@ -386,33 +493,38 @@ def lm_kv_heads() -> str:
         f"latents match GQA-2 and MQA. Validation loss ranges from {fmt(min(means), 4)} to "
         f"{fmt(max(means), 4)} bits/char across the variants, while two seeds of one variant differ "
         f"by up to {fmt(spread, 3)}. "
-        + ("The variants separate beyond seed noise; see the table for the order." if resolved else
-           "At this scale (300 steps, 0.4M parameters) the quality cost of sharing K/V heads is "
-           "smaller than the seed-to-seed noise: the trade seed 001 describes exists at scale, "
-           "but this experiment cannot resolve it, and says so.")
+        + (
+            "The variants separate beyond seed noise; see the table for the order."
+            if resolved
+            else "At this scale (300 steps, 0.4M parameters) the quality cost of sharing K/V heads is "
+            "smaller than the seed-to-seed noise: the trade seed 001 describes exists at scale, "
+            "but this experiment cannot resolve it, and says so."
+        )
         + f" Decoding {DECODE_NOTE}"
     )
-    return "\n".join([
-        "## Seed 001: sharing K/V heads trades quality for a smaller cache",
-        "",
-        "**Question.** Seed 001: \"cutting heads has a quality cost (MQA/GQA): fewer key/value heads "
-        "means fewer distinct views\", and MQA/GQA/MLA are decisions about the shape of the K/V "
-        "projections, paid back at inference as a smaller KV cache.",
-        "",
-        "**Design.** `configs/char_lm.py:study` with 8 query heads and K/V heads 8 (MHA), 4 and 2 "
-        "(GQA), 1 (MQA), and multi-head latent attention caching a 64- or 32-wide latent per token "
-        "(the cache of GQA-2 and MQA). Each variant trains through the sweep launcher, two seeds "
-        "together with `jax.vmap`; cache bytes come from the cache's shapes, decode speed from "
-        "`qkv_jax.lm.generate` (a 1-token prompt, 127 new tokens).",
-        "",
-        f"**Command:** `{shown(command)}`",
-        "",
-        *record["table"],
-        "",
-        f"![quality against cache size, and decode speed]({image})",
-        "",
-        f"**Answer.** {answer}",
-    ])
+    return "\n".join(
+        [
+            "## Seed 001: sharing K/V heads trades quality for a smaller cache",
+            "",
+            '**Question.** Seed 001: "cutting heads has a quality cost (MQA/GQA): fewer key/value heads '
+            'means fewer distinct views", and MQA/GQA/MLA are decisions about the shape of the K/V '
+            "projections, paid back at inference as a smaller KV cache.",
+            "",
+            "**Design.** `configs/char_lm.py:study` with 8 query heads and K/V heads 8 (MHA), 4 and 2 "
+            "(GQA), 1 (MQA), and multi-head latent attention caching a 64- or 32-wide latent per token "
+            "(the cache of GQA-2 and MQA). Each variant trains through the sweep launcher, two seeds "
+            "together with `jax.vmap`; cache bytes come from the cache's shapes, decode speed from "
+            "`qkv_jax.lm.generate` (a 1-token prompt, 127 new tokens).",
+            "",
+            f"**Command:** `{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![quality against cache size, and decode speed]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
 
 
 DECODE_NOTE = (
@@ -462,5 +574,7 @@ def existing_sections() -> dict[str, str]:
 
     return {
         m.group(1): m.group(2)
-        for m in re.finditer(r"<!-- study:(\w+) -->\n(.*?)\n<!-- end study:\1 -->", DOC.read_text(), re.DOTALL)
+        for m in re.finditer(
+            r"<!-- study:(\w+) -->\n(.*?)\n<!-- end study:\1 -->", DOC.read_text(), re.DOTALL
+        )
     }

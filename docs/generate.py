@@ -28,9 +28,7 @@ IMAGES = ROOT / "docs" / "images"
 def replace_block(path: pathlib.Path, name: str, body: str) -> None:
     """Replaces the text between the markers for `name` in `path`."""
     text = path.read_text()
-    pattern = re.compile(
-        rf"(<!-- generated:{name} -->\n).*?(<!-- end generated:{name} -->)", re.DOTALL
-    )
+    pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- end generated:{name} -->)", re.DOTALL)
     if not pattern.search(text):
         raise SystemExit(f"{path}: no <!-- generated:{name} --> markers")
     path.write_text(pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text))
@@ -43,7 +41,10 @@ def run_main_job(variant: str = "") -> tuple[str, pathlib.Path, tempfile.Tempora
     config = "configs/flag_retrieval.py" + (f":{variant}" if variant else "")
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--config", config, "--workdir", str(workdir)],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     shown = "runs/flag" + (f"_{variant}" if variant else "")
@@ -90,7 +91,9 @@ def reliability() -> None:
         dump = pathlib.Path(tmp) / "cases.json"
         subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:xdist", "tests"],
-            cwd=ROOT, check=True, capture_output=True,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
             env={**os.environ, "QKV_JAX_RELIABILITY_CATALOGUE": str(dump)},
         )
         cases = json.loads(dump.read_text())

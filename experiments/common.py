@@ -9,7 +9,8 @@ import os
 import pathlib
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TCMALLOC_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -79,9 +80,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def initialize_devices() -> None:
     """Simulated CPU devices and jax.distributed, from the flags; before any JAX work."""
-    from absl import flags
-
     import jax
+    from absl import flags
 
     FLAGS = flags.FLAGS
     if FLAGS.num_cpu_devices:
@@ -134,14 +134,16 @@ def define_common_flags() -> None:
     from absl import flags
 
     flags.DEFINE_string(
-        "coordinator", None,
+        "coordinator",
+        None,
         "host:port of process 0 for a multi-process run (jax.distributed.initialize); with "
         "--num_processes and --process_id",
     )
     flags.DEFINE_integer("num_processes", 1, "Processes in a multi-process run.")
     flags.DEFINE_integer("process_id", 0, "This process's index in a multi-process run.")
     flags.DEFINE_integer(
-        "num_cpu_devices", None,
+        "num_cpu_devices",
+        None,
         "Split the CPU into this many JAX devices (jax_num_cpu_devices), to try sharding on one machine.",
     )
 

@@ -50,8 +50,13 @@ def main(argv):
     except ValueError as error:
         common.fail(str(error), code=2)
     tokens = generate(
-        model, params, prompt, FLAGS.max_new_tokens, rng=jax.random.PRNGKey(FLAGS.seed),
-        temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+        model,
+        params,
+        prompt,
+        FLAGS.max_new_tokens,
+        rng=jax.random.PRNGKey(FLAGS.seed),
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
     )
     for i, row in enumerate(np.asarray(tokens)):
         print(f"--- sample {i} (checkpoint step {step}, temperature {FLAGS.temperature})")

@@ -54,7 +54,9 @@ def main(argv):
             spec = importlib.util.spec_from_file_location("study_config", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            results = lm_studies.kv_heads(base, workdir, module.get_sweep(variant or None), list(range(FLAGS.seeds)))
+            results = lm_studies.kv_heads(
+                base, workdir, module.get_sweep(variant or None), list(range(FLAGS.seeds))
+            )
         else:
             results = lm_studies.causal_mask(base, workdir)
     except ConfigError as error:

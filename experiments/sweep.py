@@ -26,8 +26,11 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_string("workdir", None, "Directory for the sweep's cells, results and plots.")
 flags.DEFINE_multi_string("sweep", [], "field=v1,v2,...; repeat for a grid (cartesian product).")
 flags.DEFINE_integer("seeds", 4, "Seeds per cell (0, 1, ..., seeds - 1), trained together.")
-flags.DEFINE_string("metric", None, "Metric for the table and plots (default: the config's "
-                    "get_sweep_metric(arg), else final_loss).")
+flags.DEFINE_string(
+    "metric",
+    None,
+    "Metric for the table and plots (default: the config's get_sweep_metric(arg), else final_loss).",
+)
 common.define_common_flags()
 
 
@@ -61,7 +64,11 @@ def main(argv):
         metric = FLAGS.metric or getattr(module, "get_sweep_metric", lambda a: "final_loss")(arg)
         common.enable_compilation_cache(FLAGS.compilation_cache)
         rows = run_sweep(
-            config, FLAGS.workdir, sweep, list(range(FLAGS.seeds)), metric=metric,
+            config,
+            FLAGS.workdir,
+            sweep,
+            list(range(FLAGS.seeds)),
+            metric=metric,
             overwrite=config["train"]["overwrite"],
         )
     except ConfigError as error:

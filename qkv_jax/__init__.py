@@ -1,13 +1,23 @@
 """qkv_jax: learned attention (Q, K, V and O projections) in JAX and Flax.
 
+Layout everywhere: query `[batch..., T, N, H]`, key `[batch..., S, K, H]`,
+value `[batch..., S, K, Hv]`, attention weights `[batch..., N, T, S]`; a mask
+is boolean with True = may attend.
+
 Pure functions:  dot_product_attention (select_implementation picks its path),
                  chunked_attention, causal_mask, padding_mask, combine_masks
 Flax modules:    StaticAttention, SelfAttentionV1, SelfAttention,
-                 LearnedQueryAttention, MultiHeadAttention
-Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch weights)
+                 LearnedQueryAttention, MultiHeadAttention, FlagReader
+Language model:  TransformerBlock, TransformerLM, generate, init_cache
+Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
+Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
+                 weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.tasks
+                 (synthetic tasks), qkv_jax.text (character corpus), qkv_jax.plots
+                 (matplotlib figures; imported on use), qkv_jax.training (the
+                 training loop, sweeps and checkpoints behind experiments/)
 """
 
-from qkv_jax import checks, interop
+from qkv_jax import checks, diagnostics, interop, lm, tasks, text
 from qkv_jax.attention import (
     causal_mask,
     combine_masks,
@@ -16,6 +26,9 @@ from qkv_jax.attention import (
     select_implementation,
 )
 from qkv_jax.chunked import chunked_attention
+from qkv_jax.diagnostics import collect_attention_weights, head_diagnostics, induction_scores
+from qkv_jax.lm import TransformerBlock, TransformerLM, generate, init_cache
+from qkv_jax.models import FlagReader
 from qkv_jax.modules import (
     LearnedQueryAttention,
     MultiHeadAttention,
@@ -38,6 +51,18 @@ __all__ = [
     "SelfAttention",
     "LearnedQueryAttention",
     "MultiHeadAttention",
+    "FlagReader",
+    "TransformerBlock",
+    "TransformerLM",
+    "generate",
+    "init_cache",
+    "collect_attention_weights",
+    "head_diagnostics",
+    "induction_scores",
     "checks",
+    "diagnostics",
     "interop",
+    "lm",
+    "tasks",
+    "text",
 ]

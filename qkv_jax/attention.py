@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -100,14 +100,15 @@ def padding_mask(lengths: Any, max_len: int) -> Array:
 def combine_masks(*masks: Any) -> Array | None:
     """Logical AND of boolean masks with broadcasting; `None` entries are skipped.
 
-    Returns None when every mask is None.
+    Masks of shapes broadcastable together (e.g. `[T, S]`, `[batch..., 1, 1, S]`
+    and `[batch..., N, T, S]`) give one mask of their broadcast shape. Returns
+    None when every mask is None.
     """
     present = [jnp.asarray(m) for m in masks if m is not None]
     for i, m in enumerate(present):
         if m.dtype != jnp.bool_:
             raise TypeError(
-                f"combine_masks: masks must be boolean (True = may attend), "
-                f"mask {i} has dtype {m.dtype}"
+                f"combine_masks: masks must be boolean (True = may attend), mask {i} has dtype {m.dtype}"
             )
     if not present:
         return None
@@ -172,8 +173,7 @@ def _validate(query, key, value, mask, bias, dropout_rate, dropout_rng) -> None:
     num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(
-            f"dot_product_attention: kv heads K={num_kv_heads} must divide query heads "
-            f"N={num_heads}"
+            f"dot_product_attention: kv heads K={num_kv_heads} must divide query heads N={num_heads}"
         )
     *batch, T, N, _ = query.shape
     S = key.shape[-3]
@@ -204,9 +204,7 @@ def _contract_values(weights: Array, value: Array, logits: Array) -> Array:
     non-finite.
     """
     finite = jnp.isfinite(value)
-    output = jnp.einsum(
-        "...kgts,...skh->...tkgh", weights, jnp.where(finite, value, 0)
-    )  # (..., T, K, G, Hv)
+    output = jnp.einsum("...kgts,...skh->...tkgh", weights, jnp.where(finite, value, 0))  # (..., T, K, G, Hv)
 
     def poisoned():
         allowed = (lax.stop_gradient(logits) > -jnp.inf).astype(weights.dtype)
@@ -293,16 +291,23 @@ def _xla_attention(query, key, value, mask, bias, scale, *, is_causal):
         bias = flatten_batch(jnp.where(finite, bias, 0), tuple(batch))  # (B|1, N|1, T|1, S|1)
     allowed = None if allowed is None else flatten_batch(allowed, tuple(batch))
     platform = jax.default_backend()
-    backend = "cudnn" if _cudnn_applies(query, key, value, allowed, bias, False, platform) else "xla"
+    cudnn = _cudnn_applies(query, key, value, allowed, bias, False, platform)
+    backend: Literal["cudnn", "xla"] = "cudnn" if cudnn else "xla"
     if backend == "cudnn":  # cuDNN takes a static scale: scale the queries instead
         query, scale = (query * scale).astype(dtype), 1.0
     output = jax.nn.dot_product_attention(
-        query, key, value, bias=bias, mask=allowed, scale=scale,
-        is_causal=is_causal and T == S, implementation=backend,
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=allowed,
+        scale=scale,
+        is_causal=is_causal and T == S,
+        implementation=backend,
     )  # (B, T, N, Hv)
     if allowed is not None:
-        allowed = combine_masks(allowed, causal_mask(T, S) if is_causal and T == S else None)
-        has_key = jnp.any(allowed, axis=-1)  # (B|1, N|1, T|1)
+        attended = allowed & causal_mask(T, S) if is_causal and T == S else allowed
+        has_key = jnp.any(attended, axis=-1)  # (B|1, N|1, T|1)
         output = jnp.where(jnp.swapaxes(has_key, -1, -2)[..., None], output, 0)
     return output.reshape(*batch, T, N, value.shape[-1])
 
@@ -484,8 +489,14 @@ def _dot_product_attention(
     _validate(query, key, value, mask, bias, dropout_rate, dropout_rng)
     if implementation is None:
         implementation = select_implementation(
-            query, key, value, mask=mask, bias=bias, is_causal=is_causal,
-            dropout_rate=dropout_rate, return_weights=return_weights,
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            dropout_rate=dropout_rate,
+            return_weights=return_weights,
         )
     elif implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -508,6 +519,7 @@ def _dot_product_attention(
     return _with_non_finite_semantics(
         functools.partial(_xla_attention, is_causal=is_causal), query, key, value, mask, bias, scale
     )
+
 
 dot_product_attention = jax.jit(
     _dot_product_attention,

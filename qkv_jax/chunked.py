@@ -365,7 +365,7 @@ def _attention_bwd(tiling: _Tiling, residuals, cotangents):
         value_grad.astype(value.dtype),
         None,  # `bad` and the mask: no gradient
         None,
-        None if bias is None else bias_grad.astype(bias.dtype),
+        None if bias is None or bias_grad is None else bias_grad.astype(bias.dtype),
         scale_grad.astype(scale.dtype),
     )
 
@@ -456,7 +456,12 @@ def chunked_attention(
     out_dtype = jnp.result_type(query, key, value)
     compute_dtype = jnp.promote_types(out_dtype, jnp.float32)
     tiling = _Tiling(
-        T=T, S=S, G=G, block_q=min(block_q, T), block_k=min(block_k, S), is_causal=is_causal,
+        T=T,
+        S=S,
+        G=G,
+        block_q=min(block_q, T),
+        block_k=min(block_k, S),
+        is_causal=is_causal,
         dtype=compute_dtype,
     )
     Tp = tiling.num_query_blocks * tiling.block_q  # T padded to whole blocks

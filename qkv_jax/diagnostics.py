@@ -18,7 +18,8 @@ random sequence to the token that followed its first occurrence.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -59,16 +59,16 @@ def from_torch_multihead_attention(module_or_state_dict: Any, num_heads: int) ->
             )
     else:
         raise ValueError(
-            "from_torch_multihead_attention: no in_proj_weight or q_proj_weight in "
-            f"{sorted(state)}"
+            f"from_torch_multihead_attention: no in_proj_weight or q_proj_weight in {sorted(state)}"
         )
     embed_dim = w_query.shape[0]
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"from_torch_multihead_attention: num_heads must be a positive int, got {num_heads!r}")
+        raise ValueError(
+            f"from_torch_multihead_attention: num_heads must be a positive int, got {num_heads!r}"
+        )
     if embed_dim % num_heads:
         raise ValueError(
-            f"from_torch_multihead_attention: num_heads={num_heads} does not divide "
-            f"embed_dim={embed_dim}"
+            f"from_torch_multihead_attention: num_heads={num_heads} does not divide embed_dim={embed_dim}"
         )
     head_dim = embed_dim // num_heads
 
@@ -83,7 +83,7 @@ def from_torch_multihead_attention(module_or_state_dict: Any, num_heads: int) ->
         "out": {"kernel": jnp.asarray(w_out.T.reshape(num_heads, head_dim, w_out.shape[0]))},
     }
     if "in_proj_bias" in state:
-        for name, bias in zip(("query", "key", "value"), np.split(state["in_proj_bias"], 3)):
+        for name, bias in zip(("query", "key", "value"), np.split(state["in_proj_bias"], 3), strict=True):
             params[name]["bias"] = jnp.asarray(bias.reshape(num_heads, head_dim))
     if "out_proj.bias" in state:
         params["out"]["bias"] = jnp.asarray(state["out_proj.bias"])
@@ -100,7 +100,9 @@ def to_torch_multihead_attention(variables: Any) -> dict:
     try:
         import torch
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("to_torch_multihead_attention needs torch: pip install 'qkv_jax[parity]'") from error
+        raise ImportError(
+            "to_torch_multihead_attention needs torch: pip install 'qkv_jax[parity]'"
+        ) from error
     params = variables.get("params", variables)
     kernels = {name: np.asarray(params[name]["kernel"]) for name in ("query", "key", "value", "out")}
     d_in, num_heads, head_dim = kernels["query"].shape

@@ -141,13 +141,10 @@ class TransformerLM(nn.Module):
             kv_latent_dim=self.kv_latent_dim,
         )
         if self.d_model % self.num_heads:
-            raise ValueError(
-                f"TransformerLM: num_heads={self.num_heads} must divide d_model={self.d_model}"
-            )
+            raise ValueError(f"TransformerLM: num_heads={self.num_heads} must divide d_model={self.d_model}")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"TransformerLM: num_kv_heads={self.num_kv_heads} must divide "
-                f"num_heads={self.num_heads}"
+                f"TransformerLM: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
             )
         for name in ("dropout_rate", "attention_dropout_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -165,14 +162,16 @@ class TransformerLM(nn.Module):
         if decode:
             positions, _ = decode_positions(self, length, self.max_len)  # (T,)
         elif length > self.max_len:
-            raise ValueError(
-                f"TransformerLM: sequence length {length} exceeds max_len={self.max_len}"
-            )
+            raise ValueError(f"TransformerLM: sequence length {length} exceeds max_len={self.max_len}")
         else:
             positions = jnp.arange(length)  # (T,)
         token_embedding = nn.Embed(
-            self.vocab_size, self.d_model, embedding_init=embedding_init,
-            dtype=self.dtype, param_dtype=self.param_dtype, name="token_embedding",
+            self.vocab_size,
+            self.d_model,
+            embedding_init=embedding_init,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="token_embedding",
         )
         position_table = self.param(
             "position_embedding", embedding_init, (self.max_len, self.d_model), self.param_dtype
@@ -195,7 +194,10 @@ class TransformerLM(nn.Module):
             )(x, deterministic, decode)  # (..., T, D)
         x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm")(x)
         logits = nn.Dense(
-            self.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            self.vocab_size,
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
             name="head",
         )(x)  # (..., T, V)
         return logits.astype(jnp.float32)
@@ -205,12 +207,15 @@ def init_cache(model: TransformerLM, batch_size: int) -> dict:
     """The decode cache for `batch_size` sequences of up to `model.max_len` tokens, zeroed.
 
     Built from the shapes `model.init(..., decode=True)` would create, without
-    computing anything.
+    computing anything: the same pytree as its "cache" collection, per layer
+    the cached keys and values `[batch_size, max_len, K, H]` (with
+    `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`) and
+    the int32 scalar `index` of positions filled.
     """
     tokens = jnp.zeros((batch_size, model.max_len), jnp.int32)
-    shapes = jax.eval_shape(
-        functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens
-    )["cache"]
+    shapes = jax.eval_shape(functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens)[
+        "cache"
+    ]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -326,6 +331,11 @@ def generate(
         raise ValueError(f"generate: prompt must hold integer tokens, got dtype {prompt.dtype}")
     check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
     return _compiled_sample_tokens(
-        model, params, prompt.astype(jnp.int32), rng, jnp.float32(temperature),
-        max_new_tokens=max_new_tokens, top_k=top_k,
+        model,
+        params,
+        prompt.astype(jnp.int32),
+        rng,
+        jnp.float32(temperature),
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
     )

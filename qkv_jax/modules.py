@@ -41,6 +41,11 @@ __all__ = [
 # torch.nn.Linear's default: uniform in +-1/sqrt(fan_in). The seeds' modules are
 # written in PyTorch, so their learned projections start from this.
 torch_linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+torch_linear_init.__doc__ = """Flax initializer `(key, shape, dtype) -> array`: uniform in +-1/sqrt(fan_in).
+
+torch.nn.Linear's default for its weight; with Dense/DenseGeneral, fan_in is
+the product of the kernel's input axes (e.g. E for a `[E, N, H]` projection).
+"""
 
 
 def _check_positive(owner: str, **sizes: Any) -> None:
@@ -58,9 +63,7 @@ def _check_dropout(owner: str, rate: float) -> None:
 
 def _check_inputs(owner: str, name: str, x: Array, min_rank: int = 2) -> None:
     if x.ndim < min_rank:
-        raise ValueError(
-            f"{owner}: {name} must have shape [batch..., length, features], got {x.shape}"
-        )
+        raise ValueError(f"{owner}: {name} must have shape [batch..., length, features], got {x.shape}")
 
 
 def _dropout(module: nn.Module, rate: float, deterministic: bool) -> dict:
@@ -269,7 +272,7 @@ class LearnedQueryAttention(nn.Module):
         return output[..., 0, :], weights[..., 0, :]  # (..., d_v), (..., S)
 
 
-def decode_positions(module: nn.Module, length: int, capacity: int) -> tuple[Array, Array]:
+def decode_positions(module: nn.Module, length: int, capacity: int) -> tuple[Array, Array | None]:
     """Positions `[length]` of the next tokens in a decode cache, and whether they fit.
 
     Reads and advances the int32 scalar `index` in `module`'s 'cache'
@@ -367,8 +370,7 @@ class MultiHeadAttention(nn.Module):
         )
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"MultiHeadAttention: num_kv_heads={self.num_kv_heads} must divide "
-                f"num_heads={self.num_heads}"
+                f"MultiHeadAttention: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
             )
         _check_dropout("MultiHeadAttention", self.dropout_rate)
         super().__post_init__()

@@ -36,14 +36,23 @@ def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathl
     flag_positions = np.asarray(flag_positions).reshape(len(weights), -1)
     num_examples, num_heads, seq_len = weights.shape
     fig, axes = plt.subplots(
-        1, num_heads, figsize=(1.2 + 0.55 * seq_len * num_heads, 0.9 + 0.4 * num_examples),
+        1,
+        num_heads,
+        figsize=(1.2 + 0.55 * seq_len * num_heads, 0.9 + 0.4 * num_examples),
         squeeze=False,
     )
     for head, ax in enumerate(axes[0]):
         image = ax.imshow(weights[:, head, :], vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-        for flag, marker in zip(range(flag_positions.shape[1]), "osD^v"):
-            ax.scatter(flag_positions[:, flag], np.arange(num_examples), s=180, marker=marker,
-                       facecolors="none", edgecolors="white", linewidths=2)
+        for flag, marker in zip(range(flag_positions.shape[1]), "osD^v", strict=False):
+            ax.scatter(
+                flag_positions[:, flag],
+                np.arange(num_examples),
+                s=180,
+                marker=marker,
+                facecolors="none",
+                edgecolors="white",
+                linewidths=2,
+            )
         ax.set_xticks(range(seq_len))
         ax.set_yticks(range(num_examples))
         ax.set_xlabel("position")
@@ -63,7 +72,9 @@ def plot_sweep_lines(points, x_field: str, series_field: str | None, metric: str
     points: (x, series value or None, {"mean", "min", "max", ...}) per cell.
     """
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    series = sorted({p[1] for p in points}, key=lambda v: (v is None, str(v) if not isinstance(v, (int, float)) else v))
+    series = sorted(
+        {p[1] for p in points}, key=lambda v: (v is None, str(v) if not isinstance(v, (int, float)) else v)
+    )
     numeric_x = all(isinstance(p[0], (int, float)) and not isinstance(p[0], bool) for p in points)
     for value in series:
         chosen = sorted((p for p in points if p[1] == value), key=lambda p: p[0] if numeric_x else str(p[0]))
@@ -91,8 +102,16 @@ def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, 
     image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
     for (row, col), value in np.ndenumerate(values):
         text = "skipped" if np.isnan(value) else f"{value:.3g}"
-        ax.text(col, row, text, ha="center", va="center", color="white" if np.isnan(value) else "black",
-                fontsize=8, bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})
+        ax.text(
+            col,
+            row,
+            text,
+            ha="center",
+            va="center",
+            color="white" if np.isnan(value) else "black",
+            fontsize=8,
+            bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0},
+        )
     ax.set_xticks(range(len(xs)), labels=[str(x) for x in xs])
     ax.set_yticks(range(len(ys)), labels=[str(y) for y in ys])
     ax.set_xlabel(x_field)
@@ -132,7 +151,9 @@ def plot_attention_maps(maps: dict, query_labels, key_labels, path, title: str =
     width = min(max(0.22 * S, 2.0), 4.5)  # inches per panel
     height = min(max(0.22 * T, 1.0), 4.5)
     fig, axes = plt.subplots(
-        len(layers), num_heads, figsize=(0.6 + width * num_heads, 0.8 + (height + 0.4) * len(layers)),
+        len(layers),
+        num_heads,
+        figsize=(0.6 + width * num_heads, 0.8 + (height + 0.4) * len(layers)),
         squeeze=False,
     )
     step_q, step_k = max(1, T // 24), max(1, S // 24)

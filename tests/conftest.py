@@ -9,7 +9,6 @@ import pytest
 DATA = pathlib.Path(__file__).parent / "data"
 
 
-
 @pytest.fixture(scope="session")
 def seed002():
     """Reference numbers for seed 002's 'The cat sat on the mat' walkthrough."""
@@ -23,9 +22,7 @@ COLLECTED_FILES: set[str] = set()
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "reliability(area, case, behaviour): a row of docs/reliability.md"
-    )
+    config.addinivalue_line("markers", "reliability(area, case, behaviour): a row of docs/reliability.md")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -28,9 +28,7 @@ def rows(cases: list[dict]) -> list[dict]:
     grouped: dict[tuple, set] = {}
     for c in cases:
         grouped.setdefault((c["area"], c["case"], c["behaviour"]), set()).add(c["test"])
-    return [
-        {"area": a, "case": c, "behaviour": b, "tests": sorted(t)} for (a, c, b), t in grouped.items()
-    ]
+    return [{"area": a, "case": c, "behaviour": b, "tests": sorted(t)} for (a, c, b), t in grouped.items()]
 
 
 def render(cases: list[dict]) -> str:

@@ -80,9 +80,7 @@ def test_matches_float64_numpy_reference(shape, masking):
 def test_gqa_equals_repeated_kv_heads():
     query, key, value = random_qkv(1, (2,), 5, 6, 8, 2, 4, 4, np.float32)
     grouped = dot_product_attention(query, key, value)
-    repeated = dot_product_attention(
-        query, np.repeat(key, 4, axis=-2), np.repeat(value, 4, axis=-2)
-    )
+    repeated = dot_product_attention(query, np.repeat(key, 4, axis=-2), np.repeat(value, 4, axis=-2))
     np.testing.assert_allclose(grouped, repeated, atol=1e-6)
 
 
@@ -92,9 +90,7 @@ def test_agrees_with_jax_nn(num_kv_heads, is_causal):
     query, key, value = random_qkv(2, (2,), 6, 6, 4, num_kv_heads, 8, 8, np.float32)
     mask = np.random.default_rng(2).random((2, 1, 6, 6)) < 0.8
     bias = np.random.default_rng(3).normal(size=(1, 4, 6, 6)).astype(np.float32)
-    want = jax.nn.dot_product_attention(
-        query, key, value, bias=bias, mask=mask, is_causal=is_causal
-    )
+    want = jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal)
     got = dot_product_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal)
     np.testing.assert_allclose(got, want, atol=2e-6)
 
@@ -150,9 +146,7 @@ def test_causal_receptive_field_through_gradients():
 def test_causal_mask_semantics():
     np.testing.assert_array_equal(causal_mask(3), np.tril(np.ones((3, 3), bool)))
     # Decoding: 2 queries are the last 2 of 5 positions.
-    np.testing.assert_array_equal(
-        causal_mask(2, 5), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    )
+    np.testing.assert_array_equal(causal_mask(2, 5), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(causal_mask(2, 5), ref.causal(2, 5))
 
 
@@ -187,16 +181,17 @@ def test_dropout_replays_its_rng_and_is_unbiased():
     np.testing.assert_allclose(out, want, atol=1e-5)
 
     keys = jax.random.split(jax.random.PRNGKey(4), 4000)
-    many = jax.vmap(
-        lambda r: dot_product_attention(query, key, value, dropout_rate=rate, dropout_rng=r)
-    )(keys)
+    many = jax.vmap(lambda r: dot_product_attention(query, key, value, dropout_rate=rate, dropout_rng=r))(
+        keys
+    )
     plain = dot_product_attention(query, key, value)
     np.testing.assert_allclose(many.mean(axis=0), plain, atol=0.06)
     assert not np.allclose(many[0], plain, atol=1e-3)
 
 
 @pytest.mark.reliability(
-    "Attention inputs", "fully masked query rows and a -inf bias, in float32, bfloat16 and float16",
+    "Attention inputs",
+    "fully masked query rows and a -inf bias, in float32, bfloat16 and float16",
     "zero output and zero weights for those rows, finite gradients (PyTorch gives nan on some paths)",
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -212,9 +207,7 @@ def test_fully_masked_rows_and_neg_inf_bias_are_finite(dtype):
         out = dot_product_attention(q, k, v, mask=mask, bias=bias)
         return jnp.sum(out.astype(jnp.float32) ** 2), out
 
-    (value_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        query, key, value
-    )
+    (value_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(query, key, value)
     assert out.dtype == dtype
     assert np.isfinite(np.asarray(out, np.float32)).all()
     for g in grads:
@@ -226,7 +219,8 @@ def test_fully_masked_rows_and_neg_inf_bias_are_finite(dtype):
 
 
 @pytest.mark.reliability(
-    "Attention inputs", "bfloat16/float16 inputs with logits in the hundreds",
+    "Attention inputs",
+    "bfloat16/float16 inputs with logits in the hundreds",
     "softmax in float32: finite outputs and gradients, equal to float32 within the dtype's tolerance",
 )
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.bfloat16, 3e-2), (jnp.float16, 5e-3)])
@@ -243,7 +237,8 @@ def test_low_precision_large_logits_match_float32(dtype, tolerance):
 
 
 @pytest.mark.reliability(
-    "Attention inputs", "nan/inf in keys and values at masked-out positions (padding, causal future)",
+    "Attention inputs",
+    "nan/inf in keys and values at masked-out positions (padding, causal future)",
     "output and gradients stay finite; a non-finite value at an allowed position still gives nan",
 )
 def test_non_finite_masked_keys_and_values_do_not_leak():
@@ -273,9 +268,7 @@ def test_vmap_jit_and_no_retrace():
 
     query, key, value = random_qkv(13, (3,), 4, 5, 4, 2, 4, 2, np.float32)
     batched = dot_product_attention(query, key, value, is_causal=True)
-    mapped = jax.vmap(lambda q, k, v: dot_product_attention(q, k, v, is_causal=True))(
-        query, key, value
-    )
+    mapped = jax.vmap(lambda q, k, v: dot_product_attention(q, k, v, is_causal=True))(query, key, value)
     np.testing.assert_allclose(mapped, batched, atol=1e-6)
 
     @jax.jit
@@ -288,40 +281,40 @@ def test_vmap_jit_and_no_retrace():
 
 
 def call_case(name, override, message):
-    mark = pytest.mark.reliability(
-        "Attention inputs", CASES[name], f"`ValueError`/`TypeError`: {message!r}"
-    )
+    mark = pytest.mark.reliability("Attention inputs", CASES[name], f"`ValueError`/`TypeError`: {message!r}")
     return pytest.param(name, override, message, marks=mark, id=name)
 
 
 CASES = {
-    'rank': 'query of rank < 3',
-    'batch': 'batch dims that differ',
-    'length': 'key and value lengths that differ',
-    'depth': 'query and key depths that differ',
-    'kv heads': 'kv heads not dividing query heads',
-    'mask shape': 'boolean mask of a shape that does not broadcast',
-    'float mask': 'float mask where a boolean one is expected',
-    'bias shape': 'bias of a shape that does not broadcast',
-    'dropout rate': 'dropout rate outside [0, 1)',
-    'dropout rng': 'dropout without an rng',
-    'integer input': 'integer query/key/value',
-    'causal mask conflict': 'a mask whose query/key lengths conflict with is_causal',
+    "rank": "query of rank < 3",
+    "batch": "batch dims that differ",
+    "length": "key and value lengths that differ",
+    "depth": "query and key depths that differ",
+    "kv heads": "kv heads not dividing query heads",
+    "mask shape": "boolean mask of a shape that does not broadcast",
+    "float mask": "float mask where a boolean one is expected",
+    "bias shape": "bias of a shape that does not broadcast",
+    "dropout rate": "dropout rate outside [0, 1)",
+    "dropout rng": "dropout without an rng",
+    "integer input": "integer query/key/value",
+    "causal mask conflict": "a mask whose query/key lengths conflict with is_causal",
 }
 
 BAD_CALLS = [
-    call_case('rank', dict(query=np.ones((4, 8))), "rank >= 3"),
-    call_case('batch', dict(key=np.ones((3, 5, 2, 4))), "batch dims differ"),
-    call_case('length', dict(value=np.ones((2, 6, 2, 4))), "agree in length"),
-    call_case('depth', dict(key=np.ones((2, 5, 2, 3))), "query depth 4 != key depth 3"),
-    call_case('kv heads', dict(key=np.ones((2, 5, 3, 4)), value=np.ones((2, 5, 3, 4))), "K=3 must divide"),
-    call_case('mask shape', dict(mask=np.ones((2, 4, 4), bool)), "mask of shape (2, 4, 4)"),
-    call_case('float mask', dict(mask=np.ones((4, 5), np.float32)), "mask must be boolean"),
-    call_case('bias shape', dict(bias=np.ones((7, 5))), "bias of shape (7, 5)"),
-    call_case('dropout rate', dict(dropout_rate=1.0), "dropout_rate must be in [0, 1)"),
-    call_case('dropout rng', dict(dropout_rate=0.1), "needs a dropout_rng"),
-    call_case('integer input', dict(query=np.ones((2, 4, 4, 4), np.int32)), "floating point"),
-    call_case('causal mask conflict', dict(mask=np.ones((5, 5), bool), is_causal=True), "mask of shape (5, 5)"),
+    call_case("rank", dict(query=np.ones((4, 8))), "rank >= 3"),
+    call_case("batch", dict(key=np.ones((3, 5, 2, 4))), "batch dims differ"),
+    call_case("length", dict(value=np.ones((2, 6, 2, 4))), "agree in length"),
+    call_case("depth", dict(key=np.ones((2, 5, 2, 3))), "query depth 4 != key depth 3"),
+    call_case("kv heads", dict(key=np.ones((2, 5, 3, 4)), value=np.ones((2, 5, 3, 4))), "K=3 must divide"),
+    call_case("mask shape", dict(mask=np.ones((2, 4, 4), bool)), "mask of shape (2, 4, 4)"),
+    call_case("float mask", dict(mask=np.ones((4, 5), np.float32)), "mask must be boolean"),
+    call_case("bias shape", dict(bias=np.ones((7, 5))), "bias of shape (7, 5)"),
+    call_case("dropout rate", dict(dropout_rate=1.0), "dropout_rate must be in [0, 1)"),
+    call_case("dropout rng", dict(dropout_rate=0.1), "needs a dropout_rng"),
+    call_case("integer input", dict(query=np.ones((2, 4, 4, 4), np.int32)), "floating point"),
+    call_case(
+        "causal mask conflict", dict(mask=np.ones((5, 5), bool), is_causal=True), "mask of shape (5, 5)"
+    ),
 ]
 
 
@@ -339,7 +332,8 @@ def test_bad_arguments_raise_clear_errors(name, override, message):
 
 
 @pytest.mark.reliability(
-    "Attention inputs", "mask helpers given bad sizes, lengths, dtypes or shapes",
+    "Attention inputs",
+    "mask helpers given bad sizes, lengths, dtypes or shapes",
     "`ValueError`/`TypeError` naming the value",
 )
 @pytest.mark.parametrize(

@@ -294,9 +294,11 @@ def test_default_runs_the_selected_path(S):
     expected = select_implementation(*inputs)
 
     def program(implementation):
-        return str(jax.make_jaxpr(
-            functools.partial(dot_product_attention, is_causal=True, implementation=implementation)
-        )(*inputs))
+        return str(
+            jax.make_jaxpr(
+                functools.partial(dot_product_attention, is_causal=True, implementation=implementation)
+            )(*inputs)
+        )
 
     assert program(None) == program(expected)
     assert program(None) != program("reference" if expected == "chunked" else "chunked")

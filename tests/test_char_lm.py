@@ -48,9 +48,11 @@ def text_file(tmp_path_factory):
 
 
 @pytest.mark.reliability(
-    'Config and command line',
-    'language-model config a machine cannot run: task.seq_len beyond model.max_len, num_kv_heads not dividing num_heads, heads not dividing d_model, a sample longer than max_len, an unreadable data.path, an unknown schedule',
-    '`ConfigError` naming the field and value before any work (the command line prints it as one line)',
+    "Config and command line",
+    "language-model config a machine cannot run: task.seq_len beyond model.max_len, num_kv_heads not "
+    "dividing num_heads, heads not dividing d_model, a sample longer than max_len, an unreadable "
+    "data.path, an unknown schedule",
+    "`ConfigError` naming the field and value before any work (the command line prints it as one line)",
 )
 @pytest.mark.parametrize(
     "overrides,message",
@@ -59,8 +61,11 @@ def text_file(tmp_path_factory):
         (dict(model__num_kv_heads=3), "model.num_kv_heads=3 does not divide model.num_heads=4"),
         (dict(model__num_heads=3), "model.num_heads=3 does not divide model.d_model=32"),
         (dict(model__kv_latent_dim=0), "model.kv_latent_dim=0: must be a positive integer"),
-        (dict(eval__sample_length=46),
-         "eval.sample_length=46: with the 4-character eval.sample_prompt it decodes 49 positions, past model.max_len=48"),
+        (
+            dict(eval__sample_length=46),
+            "eval.sample_length=46: with the 4-character eval.sample_prompt it decodes 49 positions, "
+            "past model.max_len=48",
+        ),
         (dict(data__path="/nonexistent.txt"), "data.path='/nonexistent.txt': not a readable file"),
         (dict(train__schedule="linear"), "train.schedule='linear': unknown; choose one of constant, cosine"),
         (dict(data__validation_fraction=0.0), "data.validation_fraction=0: must be in (0, 1)"),
@@ -117,14 +122,20 @@ def test_generate_from_the_latest_checkpoint(trained):
 def run_generate(*args):
     return subprocess.run(  # noqa: PLW1510 - the tests read returncode
         [sys.executable, "-m", "experiments.generate", "--compilation_cache=", *args],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 @pytest.mark.slow
 def test_generate_command_line(trained):
     workdir, _ = trained
-    ok = run_generate("--workdir", str(workdir), "--prompt", "def ", "--max_new_tokens", "20", "--temperature", "0")
+    ok = run_generate(
+        "--workdir", str(workdir), "--prompt", "def ", "--max_new_tokens", "20", "--temperature", "0"
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("--- sample 0 (checkpoint step 60, temperature 0.0)\ndef ")
     too_long = run_generate("--workdir", str(workdir), "--max_new_tokens", "46")
@@ -141,13 +152,19 @@ def test_generate_command_line(trained):
 @pytest.mark.slow
 def test_causal_mask_study_writes_its_results(text_file, tmp_path):
     base = small_config(
-        text_file, train__steps=4, train__log_every=2, train__checkpoint_every=4,
-        eval__num_examples=8, eval__sample_length=8,
+        text_file,
+        train__steps=4,
+        train__log_every=2,
+        train__checkpoint_every=4,
+        eval__num_examples=8,
+        eval__sample_length=8,
     ).to_dict()
     results = lm_studies.causal_mask(base, tmp_path)
     record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies causal_mask")
     causal, unmasked = record["rows"]
-    summaries = {arm: json.loads((tmp_path / arm / "summary.json").read_text()) for arm in ("causal", "unmasked")}
+    summaries = {
+        arm: json.loads((tmp_path / arm / "summary.json").read_text()) for arm in ("causal", "unmasked")
+    }
     assert causal["honest_val_bits_per_char"] == summaries["causal"]["eval_val_bits_per_char"]
     assert unmasked["unmasked_val_bits_per_char"] == summaries["unmasked"]["eval_val_unmasked_bits_per_char"]
     assert causal["unmasked_val_bits_per_char"] is None
@@ -160,19 +177,32 @@ def test_causal_mask_study_writes_its_results(text_file, tmp_path):
 @pytest.mark.slow
 def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
     base = small_config(
-        text_file, train__steps=4, train__log_every=2, train__checkpoint_every=4,
-        eval__num_examples=8, eval__sample_length=8,
+        text_file,
+        train__steps=4,
+        train__log_every=2,
+        train__checkpoint_every=4,
+        eval__num_examples=8,
+        eval__sample_length=8,
     ).to_dict()
-    cells = [{"model.num_kv_heads": 4, "model.kv_latent_dim": None}, {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
-             {"model.num_kv_heads": 4, "model.kv_latent_dim": 8}]
+    cells = [
+        {"model.num_kv_heads": 4, "model.kv_latent_dim": None},
+        {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
+        {"model.num_kv_heads": 4, "model.kv_latent_dim": 8},
+    ]
     results = lm_studies.kv_heads(base, tmp_path, cells, seeds=[0, 1])
     record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies kv_heads")
     mha, mqa, mla = record["rows"]
     assert [r["arm"] for r in record["rows"]] == ["mha_kv4", "mqa_kv1", "mla_latent8"]
     # Cache bytes per token: K and V of every layer (float32) or MLA's latent alone.
-    assert mha["kv_cache_bytes_per_token"] == 2 * 4 * 8 * 4 and mqa["kv_cache_bytes_per_token"] == 2 * 1 * 8 * 4
+    assert (
+        mha["kv_cache_bytes_per_token"] == 2 * 4 * 8 * 4 and mqa["kv_cache_bytes_per_token"] == 2 * 1 * 8 * 4
+    )
     assert mla["kv_cache_bytes_per_token"] == 8 * 4
     assert json.loads((tmp_path / "results.json").read_text()) == record
-    cell = json.loads((tmp_path / "sweep" / "cells" / "model.num_kv_heads=1,model.kv_latent_dim=None.json").read_text())
+    cell = json.loads(
+        (tmp_path / "sweep" / "cells" / "model.num_kv_heads=1,model.kv_latent_dim=None.json").read_text()
+    )
     assert cell["seeds"] == [0, 1] and mqa["val_bits_per_char"] == cell["eval_val_bits_per_char_stats"]
-    assert all(r[f"decode_tokens_per_s_batch{b}"] > 0 for r in record["rows"] for b in lm_studies.DECODE_BATCHES)
+    assert all(
+        r[f"decode_tokens_per_s_batch{b}"] > 0 for r in record["rows"] for b in lm_studies.DECODE_BATCHES
+    )

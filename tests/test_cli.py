@@ -37,24 +37,52 @@ def error_lines(result):
 
 def command_case(name, args, expected, case):
     mark = pytest.mark.reliability(
-        "Config and command line", case, "exits non-zero before compiling, one line: " + ", ".join(f"`{e}`" for e in expected)
+        "Config and command line",
+        case,
+        "exits non-zero before compiling, one line: " + ", ".join(f"`{e}`" for e in expected),
     )
     return pytest.param(name, args, expected, marks=mark, id=name)
 
 
 BAD_COMMANDS = [
-    command_case("unknown field", ["--config.model.nmu_heads=4"], ["--config.model.nmu_heads", "did you mean num_heads"],
-                 "unknown config field (a typo)"),
-    command_case("wrong type", ["--config.train.steps=abc"], ["--config.train.steps=abc"], "value of the wrong type"),
-    command_case("non-positive size", ["--config.model.d_k=0"], ["model.d_k=0", "positive"], "non-positive size"),
+    command_case(
+        "unknown field",
+        ["--config.model.nmu_heads=4"],
+        ["--config.model.nmu_heads", "did you mean num_heads"],
+        "unknown config field (a typo)",
+    ),
+    command_case(
+        "wrong type", ["--config.train.steps=abc"], ["--config.train.steps=abc"], "value of the wrong type"
+    ),
+    command_case(
+        "non-positive size", ["--config.model.d_k=0"], ["model.d_k=0", "positive"], "non-positive size"
+    ),
     command_case("negative steps", ["--config.train.steps=-5"], ["train.steps=-5"], "negative step count"),
-    command_case("nan learning rate", ["--config.train.learning_rate=nan"], ["train.learning_rate=nan"],
-                 "learning rate that is not a positive finite number"),
-    command_case("heads not dividing", ["--config.model.kind=multihead", "--config.model.num_heads=3"],
-                 ["model.num_heads=3 does not divide model.d_k=8"], "heads not dividing the width"),
-    command_case("unknown kind", ["--config.model.kind=lstm"], ["model.kind='lstm'", "learned_query"], "unknown model kind"),
+    command_case(
+        "nan learning rate",
+        ["--config.train.learning_rate=nan"],
+        ["train.learning_rate=nan"],
+        "learning rate that is not a positive finite number",
+    ),
+    command_case(
+        "heads not dividing",
+        ["--config.model.kind=multihead", "--config.model.num_heads=3"],
+        ["model.num_heads=3 does not divide model.d_k=8"],
+        "heads not dividing the width",
+    ),
+    command_case(
+        "unknown kind",
+        ["--config.model.kind=lstm"],
+        ["model.kind='lstm'", "learned_query"],
+        "unknown model kind",
+    ),
     command_case("unknown task", ["--config.task.name=sorting"], ["task.name='sorting'"], "unknown task"),
-    command_case("unknown optimizer", ["--config.train.optimizer=lion"], ["train.optimizer='lion'"], "unknown optimizer"),
+    command_case(
+        "unknown optimizer",
+        ["--config.train.optimizer=lion"],
+        ["train.optimizer='lion'"],
+        "unknown optimizer",
+    ),
 ]
 
 
@@ -70,7 +98,8 @@ def test_bad_command_lines(tmp_path, name, args, expected):
 
 
 @pytest.mark.reliability(
-    "Config and command line", "unknown config variant (`file.py:nope`); missing --workdir",
+    "Config and command line",
+    "unknown config variant (`file.py:nope`); missing --workdir",
     "exits non-zero with one line naming the variant / the flag",
 )
 def test_unknown_variant_and_missing_workdir(tmp_path):
@@ -82,7 +111,8 @@ def test_unknown_variant_and_missing_workdir(tmp_path):
 
 
 @pytest.mark.reliability(
-    "Config and command line", "unwritable workdir (a path under a file)",
+    "Config and command line",
+    "unwritable workdir (a path under a file)",
     "exits non-zero with one line naming `workdir=...`, before compiling",
 )
 def test_unwritable_workdir(tmp_path):
@@ -96,7 +126,8 @@ def test_unwritable_workdir(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.reliability(
-    "Config and command line", "workdir holding a different config's run",
+    "Config and command line",
+    "workdir holding a different config's run",
     "refused with one line naming the differing field and both values; `--config.train.overwrite=True` "
     "moves the old run to `replaced-<time>/` instead of deleting it",
 )
@@ -113,8 +144,13 @@ def test_run_then_refuse_a_different_config_in_the_same_workdir(tmp_path):
     assert "model.d_k=4 here but 8 in the workdir" in line and "overwrite" in line
 
     replaced = run_cli(
-        "--config", CONFIG, "--workdir", str(tmp_path), *SMALL,
-        "--config.model.d_k=4", "--config.train.overwrite=True",
+        "--config",
+        CONFIG,
+        "--workdir",
+        str(tmp_path),
+        *SMALL,
+        "--config.model.d_k=4",
+        "--config.train.overwrite=True",
     )
     assert replaced.returncode == 0, replaced.stderr
     (archive,) = tmp_path.glob("replaced-*")

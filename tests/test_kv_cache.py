@@ -49,9 +49,9 @@ def decode_in_segments(step, cache, inputs, lengths):
 
 
 @pytest.mark.reliability(
-    'Decoding',
-    'cached decoding (one token at a time, a prompt then tokens, a whole prefill) for MHA, GQA, MQA and MLA',
-    'equals the full causal pass within 1e-5 in float32',
+    "Decoding",
+    "cached decoding (one token at a time, a prompt then tokens, a whole prefill) for MHA, GQA, MQA and MLA",
+    "equals the full causal pass within 1e-5 in float32",
 )
 @pytest.mark.parametrize("lengths", [(1,) * L, (3, 1, 1, 1), (L,)], ids=["prompt1", "prompt3", "prefill"])
 def test_cached_decoding_equals_the_full_causal_pass(decoder, lengths):
@@ -104,7 +104,7 @@ def test_mla_matches_an_independent_reference():
 
 
 @pytest.mark.reliability(
-    'Decoding',
+    "Decoding",
     "appending past the KV cache's max length, eagerly",
     "`ValueError` naming the position and the capacity (flax's cache would overwrite silently)",
 )
@@ -112,16 +112,18 @@ def test_decoding_past_the_cache_raises_eagerly():
     module = qkv_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, is_causal=True)
     variables = module.init(jax.random.PRNGKey(3), X[:, :3], decode=True)  # room for 3
     _, state = module.apply(variables, X[:, :2], decode=True, mutable=["cache"])
-    with pytest.raises(ValueError, match=r"decoding 2 position\(s\) from position 2 overflows the cache of max length 3"):
+    with pytest.raises(
+        ValueError, match=r"decoding 2 position\(s\) from position 2 overflows the cache of max length 3"
+    ):
         module.apply({**variables, **state}, X[:, 2:4], decode=True, mutable=["cache"])
     with pytest.raises(ValueError, match="from position 0 overflows the cache of max length 3"):
         module.apply(variables, X[:, :4], decode=True, mutable=["cache"])
 
 
 @pytest.mark.reliability(
-    'Decoding',
+    "Decoding",
     "appending past the KV cache's max length inside jit",
-    'nothing cached is overwritten, the output is nan and `checkify` raises naming the position',
+    "nothing cached is overwritten, the output is nan and `checkify` raises naming the position",
 )
 def test_decoding_past_the_cache_under_jit_is_nan_and_checkify_raises(decoder):
     _, _, _, cache, _, step = decoder
@@ -133,7 +135,9 @@ def test_decoding_past_the_cache_under_jit_is_nan_and_checkify_raises(decoder):
         if name != "index":
             np.testing.assert_array_equal(after[name], full_cache[name])
     error, _ = checkify.checkify(step)(full_cache, X[:, :1])
-    with pytest.raises(checkify.JaxRuntimeError, match=f"from position {L} overflows the cache of max length {L}"):
+    with pytest.raises(
+        checkify.JaxRuntimeError, match=f"from position {L} overflows the cache of max length {L}"
+    ):
         error.throw()
     error, _ = checkify.checkify(step)(cache, X[:, :1])
     assert error.get() is None

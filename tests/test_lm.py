@@ -43,9 +43,9 @@ def variant(request):
 
 
 @pytest.mark.reliability(
-    'Decoding',
-    'the whole LM decoded with its cache, prompts of length 1 and 5, MHA/GQA/MQA/MLA',
-    'logits equal the full causal forward pass within 1e-5',
+    "Decoding",
+    "the whole LM decoded with its cache, prompts of length 1 and 5, MHA/GQA/MQA/MLA",
+    "logits equal the full causal forward pass within 1e-5",
 )
 @pytest.mark.parametrize("prompt_length", [1, 5])
 def test_cached_decoding_equals_the_full_pass(variant, prompt_length):
@@ -104,7 +104,9 @@ def test_generate_greedy_equals_recomputing_the_full_pass():
     model = make_model(num_kv_heads=2)
     params = jax.jit(model.init)(jax.random.PRNGKey(3), TOKENS)["params"]
     prompt_length, new = 3, 7
-    generated = lm.generate(model, params, TOKENS[:, :prompt_length], new, rng=jax.random.PRNGKey(0), temperature=0.0)
+    generated = lm.generate(
+        model, params, TOKENS[:, :prompt_length], new, rng=jax.random.PRNGKey(0), temperature=0.0
+    )
     forward = jax.jit(model.apply)
     sequence = np.array(TOKENS)  # positions past t do not affect logits at t (causal)
     for t in range(prompt_length, prompt_length + new):
@@ -121,8 +123,15 @@ def test_generate_is_deterministic_for_an_rng_and_compiles_once():
     )
 
     def sample(prompt, seed, temperature):
-        return traced(model, params, prompt, jax.random.PRNGKey(seed), jnp.float32(temperature),
-                      max_new_tokens=6, top_k=4)
+        return traced(
+            model,
+            params,
+            prompt,
+            jax.random.PRNGKey(seed),
+            jnp.float32(temperature),
+            max_new_tokens=6,
+            top_k=4,
+        )
 
     first = sample(TOKENS[:, :4], 0, 1.0)
     np.testing.assert_array_equal(sample(TOKENS[:, :4], 0, 1.0), first)
@@ -147,14 +156,17 @@ def test_sample_logits_top_k_and_temperature():
 
 
 @pytest.mark.reliability(
-    'Decoding',
-    'generate() with a prompt that would decode past max_len, or bad max_new_tokens/top_k/temperature/prompt',
-    '`ValueError` naming the values, before anything compiles',
+    "Decoding",
+    "generate() with a prompt that would decode past max_len, or bad max_new_tokens/top_k/temperature/prompt",
+    "`ValueError` naming the values, before anything compiles",
 )
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(max_new_tokens=2), "a prompt of 12 tokens and max_new_tokens=2 decode 13 positions, past the model's max_len=12"),
+        (
+            dict(max_new_tokens=2),
+            "a prompt of 12 tokens and max_new_tokens=2 decode 13 positions, past the model's max_len=12",
+        ),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive int, got 0"),
         (dict(max_new_tokens=1, top_k=VOCAB + 1), "top_k must be in [1, 11] or None, got 12"),
         (dict(max_new_tokens=1, temperature=-1.0), "temperature must be finite and >= 0, got -1.0"),
@@ -171,14 +183,21 @@ def test_generate_rejects_bad_arguments_before_running(kwargs, message):
 
 
 @pytest.mark.reliability(
-    'Decoding',
-    'TransformerLM decoding or running past max_len',
-    '`ValueError` naming the length and max_len',
+    "Decoding",
+    "TransformerLM decoding or running past max_len",
+    "`ValueError` naming the length and max_len",
 )
 def test_decoding_the_lm_past_max_len_raises():
     model = make_model(num_layers=1)
-    variables = {"params": jax.jit(model.init)(jax.random.PRNGKey(5), TOKENS)["params"], "cache": lm.init_cache(model, 2)}
-    with pytest.raises(ValueError, match=f"TransformerLM: decoding 13 position\\(s\\) from position 0 overflows the cache of max length {MAX_LEN}"):
+    variables = {
+        "params": jax.jit(model.init)(jax.random.PRNGKey(5), TOKENS)["params"],
+        "cache": lm.init_cache(model, 2),
+    }
+    with pytest.raises(
+        ValueError,
+        match=f"TransformerLM: decoding 13 position\\(s\\) from position 0 overflows the cache "
+        f"of max length {MAX_LEN}",
+    ):
         model.apply(variables, jnp.zeros((2, MAX_LEN + 1), jnp.int32), decode=True, mutable=["cache"])
     with pytest.raises(ValueError, match=f"sequence length 13 exceeds max_len={MAX_LEN}"):
         model.apply(variables, jnp.zeros((2, MAX_LEN + 1), jnp.int32))
@@ -206,7 +225,9 @@ def test_transformer_block_is_pre_layernorm_residual():
     params = jax.jit(block.init)(jax.random.PRNGKey(7), x)["params"]
     apply = jax.jit(block.apply)
     zeroed = jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.zeros_like(a) if any(getattr(k, "key", None) in ("out", "mlp_out") for k in path) else a,
+        lambda path, a: (
+            jnp.zeros_like(a) if any(getattr(k, "key", None) in ("out", "mlp_out") for k in path) else a
+        ),
         params,
     )
     np.testing.assert_array_equal(apply({"params": zeroed}, x), x)

@@ -30,11 +30,11 @@ class TestCharTokenizer:
         assert ties.chars == text.UNKNOWN + "wx"  # equal counts: lower code points first
 
     def test_save_and_load(self, tmp_path):
-        tokenizer = text.CharTokenizer("é\t\"λ\\")
+        tokenizer = text.CharTokenizer('é\t"λ\\')
         tokenizer.save(tmp_path / "tokenizer.json")
         loaded = text.CharTokenizer.load(tmp_path / "tokenizer.json")
         assert loaded.chars == tokenizer.chars
-        sample = "λé\t\"\\?"
+        sample = 'λé\t"\\?'
         np.testing.assert_array_equal(loaded.encode(sample), tokenizer.encode(sample))
 
 
@@ -59,13 +59,17 @@ def test_unigram_bits_per_char_against_a_direct_count():
     counts = collections.Counter(train)
     total = len(train) + tokenizer.vocab_size  # add-one smoothing over the 4 ids
     want = -sum(math.log2((counts[c] + 1) / total) for c in validation) / len(validation)
-    got = text.unigram_bits_per_char(tokenizer.encode(train), tokenizer.encode(validation), tokenizer.vocab_size)
+    got = text.unigram_bits_per_char(
+        tokenizer.encode(train), tokenizer.encode(validation), tokenizer.vocab_size
+    )
     assert got == pytest.approx(want, rel=1e-12)
 
 
 def test_random_windows_are_slices_of_the_corpus():
     tokens = np.arange(1000, dtype=np.int32)
-    windows = np.asarray(jax.jit(text.random_windows, static_argnums=(2, 3))(jax.random.PRNGKey(0), tokens, 64, 9))
+    windows = np.asarray(
+        jax.jit(text.random_windows, static_argnums=(2, 3))(jax.random.PRNGKey(0), tokens, 64, 9)
+    )
     assert windows.shape == (64, 9)
     np.testing.assert_array_equal(windows, windows[:, :1] + np.arange(9))  # consecutive tokens
     assert windows[:, -1].max() < 1000 and len(set(windows[:, 0])) > 50

@@ -47,7 +47,9 @@ def test_max_len_follows_the_task_length():
     config.task.length = 6
     assert config.model.max_len == 12  # lazy: an override of task.length carries over
     config.model.max_len = 10
-    with pytest.raises(ConfigError, match=r"model.max_len=10: shorter than the training sequences \(2 \* task.length=12\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.max_len=10: shorter than the training sequences \(2 \* task.length=12\)"
+    ):
         build_setup(config)
     with pytest.raises(ConfigError, match="task.vocab_size=1: must be >= 2"):
         build_setup(small_config("copy", task__vocab_size=1))

@@ -136,16 +136,26 @@ def test_low_precision_multihead():
 
 
 @pytest.mark.reliability(
-    "Modules", "module attributes a user can get wrong (kv heads not dividing heads, non-positive sizes, "
-    "dropout rate)", "`ValueError` naming the values, at construction",
+    "Modules",
+    "module attributes a user can get wrong (kv heads not dividing heads, non-positive sizes, dropout rate)",
+    "`ValueError` naming the values, at construction",
 )
 @pytest.mark.parametrize(
     "build,message",
     [
-        (lambda: qkv_jax.MultiHeadAttention(num_heads=4, num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=4, num_kv_heads=3),
+            "num_kv_heads=3 must divide num_heads=4",
+        ),
         (lambda: qkv_jax.MultiHeadAttention(num_heads=0), "num_heads must be a positive int, got 0"),
-        (lambda: qkv_jax.MultiHeadAttention(num_heads=2, head_dim=-1), "head_dim must be a positive int, got -1"),
-        (lambda: qkv_jax.MultiHeadAttention(num_heads=2, dropout_rate=1.5), "dropout_rate must be in [0, 1), got 1.5"),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=2, head_dim=-1),
+            "head_dim must be a positive int, got -1",
+        ),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=2, dropout_rate=1.5),
+            "dropout_rate must be in [0, 1), got 1.5",
+        ),
         (lambda: qkv_jax.SelfAttentionV1(0), "d_out must be a positive int, got 0"),
         (lambda: qkv_jax.SelfAttention(-2), "d_out must be a positive int, got -2"),
         (lambda: qkv_jax.LearnedQueryAttention(d_k=0, d_v=3), "d_k must be a positive int, got 0"),
@@ -159,8 +169,10 @@ def test_bad_module_arguments(build, message):
 
 
 @pytest.mark.reliability(
-    "Modules", "call arguments a user can get wrong (heads not dividing the width, mask shape, "
-    "mask against is_causal, batch mismatch, rank, float mask)", "`ValueError`/`TypeError` naming the shapes",
+    "Modules",
+    "call arguments a user can get wrong (heads not dividing the width, mask shape, "
+    "mask against is_causal, batch mismatch, rank, float mask)",
+    "`ValueError`/`TypeError` naming the shapes",
 )
 @pytest.mark.parametrize(
     "call,message",

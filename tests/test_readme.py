@@ -39,7 +39,9 @@ def free_port():
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_python_blocks(index):
     code = blocks("python")[index]
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -61,7 +63,11 @@ def test_bash_blocks_in_order(tmp_path):
         if script:
             result = subprocess.run(
                 ["bash", "-c", "set -e\n" + "\n".join(script) + "\nwait"],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
             )
             assert result.returncode == 0, (script, result.stderr[-3000:])
             ran += len(script)
@@ -78,7 +84,11 @@ def test_text_blocks_show_what_commands_print(tmp_path):
             command, *expected = chunk.rstrip("\n").split("\n")
             result = subprocess.run(
                 ["bash", "-c", command.replace("runs/", f"{tmp_path}/runs/")],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
             )
             shown = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
             assert shown == expected, command

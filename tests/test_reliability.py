@@ -76,7 +76,8 @@ DIVERGING = dict(optimizer="sgd", learning_rate=5.0, steps=200, log_every=10, ch
 
 
 @pytest.mark.reliability(
-    "Training", "loss becomes inf/nan after some checkpoints (SGD with a learning rate of 5)",
+    "Training",
+    "loss becomes inf/nan after some checkpoints (SGD with a learning rate of 5)",
     "`FloatingPointError` naming the step and the window; the checkpoints before it stay intact "
     "and restore finite parameters; no summary.json claims the run finished",
 )
@@ -95,7 +96,8 @@ def test_blow_up_keeps_the_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.reliability(
-    "Training", "`--config.train.checkify=True` on a run that produces a nan",
+    "Training",
+    "`--config.train.checkify=True` on a run that produces a nan",
     "stops at the first nan made inside the compiled step, naming the primitive and the window, "
     "no later than the loss check would",
 )
@@ -111,7 +113,8 @@ def test_checkify_mode_names_the_first_non_finite_value(tmp_path):
 
 
 @pytest.mark.reliability(
-    "Training", "metrics.jsonl whose last line was torn by a kill",
+    "Training",
+    "metrics.jsonl whose last line was torn by a kill",
     "the torn line is dropped; resuming rewrites the file from the last checkpoint",
 )
 def test_torn_metrics_line_is_dropped(tmp_path):
@@ -126,6 +129,7 @@ def test_torn_metrics_line_is_dropped(tmp_path):
 
 # --- Checkpoints --------------------------------------------------------------------------
 
+
 def copy_run(source, target, keep_steps):
     """A copy of a run's workdir holding only checkpoints `keep_steps`."""
     import shutil
@@ -139,7 +143,8 @@ def copy_run(source, target, keep_steps):
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "newest checkpoint corrupted on disk (bytes of its array data overwritten)",
+    "Checkpoints",
+    "newest checkpoint corrupted on disk (bytes of its array data overwritten)",
     "detected (unreadable or failing its SHA-256 record), skipped with a `CheckpointWarning`; the "
     "previous one is used and the resumed run ends bit-identical to an uninterrupted one",
 )
@@ -157,7 +162,8 @@ def test_corrupted_newest_checkpoint_falls_back(tmp_path, reference_run):
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "newest checkpoint partially written (array files missing)",
+    "Checkpoints",
+    "newest checkpoint partially written (array files missing)",
     "skipped with a `CheckpointWarning`, the previous one is used",
 )
 def test_partially_written_checkpoint_falls_back(tmp_path, reference_run):
@@ -172,9 +178,9 @@ def test_partially_written_checkpoint_falls_back(tmp_path, reference_run):
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "a save interrupted before orbax renamed its temporary directory",
-    "never reported as a checkpoint: the newest committed step is restored and the leftover is "
-    "cleaned up",
+    "Checkpoints",
+    "a save interrupted before orbax renamed its temporary directory",
+    "never reported as a checkpoint: the newest committed step is restored and the leftover is cleaned up",
 )
 def test_uncommitted_save_is_ignored(tmp_path, reference_run):
     import shutil
@@ -190,18 +196,22 @@ def test_uncommitted_save_is_ignored(tmp_path, reference_run):
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "restoring into a model of another shape (d_k 8 -> 4)",
+    "Checkpoints",
+    "restoring into a model of another shape (d_k 8 -> 4)",
     "`CheckpointMismatchError` naming the array and both shapes (orbax alone fails deep inside)",
 )
 def test_restore_into_another_shape_fails_clearly(reference_run):
     other = small_config()
     other.model.d_k = 4
-    with pytest.raises(CheckpointMismatchError, match=r"W_key\b.*float32\[8, 8\] but the model expects float32\[8, 4\]"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"W_key\b.*float32\[8, 8\] but the model expects float32\[8, 4\]"
+    ):
         restore(reference_run, other)
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "restoring into a model of another dtype (float32 -> bfloat16)",
+    "Checkpoints",
+    "restoring into a model of another dtype (float32 -> bfloat16)",
     "`CheckpointMismatchError` naming the array and both dtypes (orbax alone converts silently)",
 )
 def test_restore_into_another_dtype_fails_clearly(reference_run):
@@ -212,7 +222,8 @@ def test_restore_into_another_dtype_fails_clearly(reference_run):
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "restoring into a model of another structure (multihead instead of learned_query)",
+    "Checkpoints",
+    "restoring into a model of another structure (multihead instead of learned_query)",
     "`CheckpointMismatchError` listing missing and unexpected arrays",
 )
 def test_restore_into_another_structure_fails_clearly(reference_run):
@@ -223,8 +234,10 @@ def test_restore_into_another_structure_fails_clearly(reference_run):
 
 # --- Determinism --------------------------------------------------------------------------
 
+
 @pytest.mark.reliability(
-    "Determinism", "the same config and seed, run twice on CPU",
+    "Determinism",
+    "the same config and seed, run twice on CPU",
     "bit-identical parameters, optimizer state, metrics.jsonl and evaluation metrics",
 )
 def test_same_config_and_seed_are_bit_identical(tmp_path, reference_run):
@@ -239,12 +252,25 @@ def test_same_config_and_seed_are_bit_identical(tmp_path, reference_run):
 
 # --- kill -9 ------------------------------------------------------------------------------
 
+
 def launch(workdir, cache, log_path, extra):
     log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", "--config", "configs/flag_retrieval.py",
-         "--workdir", str(workdir), f"--compilation_cache={cache}", *extra],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config",
+            "configs/flag_retrieval.py",
+            "--workdir",
+            str(workdir),
+            f"--compilation_cache={cache}",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     return process, log
 
@@ -270,7 +296,8 @@ def saving(directory):
 
 @pytest.mark.slow
 @pytest.mark.reliability(
-    "Checkpoints", "`kill -9` of the real command line 12 times in one run: at random moments of "
+    "Checkpoints",
+    "`kill -9` of the real command line 12 times in one run: at random moments of "
     "start-up, at random moments of training, and during checkpoint saves",
     "every restart resumes from the newest committed checkpoint; the finished run's parameters and "
     "metrics.jsonl are bit-identical to an uninterrupted run's",
@@ -278,8 +305,10 @@ def saving(directory):
 def test_kill_9_at_random_moments(tmp_path):
     steps, every = 20000, 500
     extra = [
-        f"--config.train.steps={steps}", "--config.train.log_every=100",
-        f"--config.train.checkpoint_every={every}", "--config.eval.num_examples=256",
+        f"--config.train.steps={steps}",
+        "--config.train.log_every=100",
+        f"--config.train.checkpoint_every={every}",
+        "--config.eval.num_examples=256",
         "--config.eval.num_plot_examples=2",
     ]
     config = flag_retrieval.get_config()
@@ -305,7 +334,7 @@ def test_kill_9_at_random_moments(tmp_path):
                 time.sleep(rng.uniform(0.1, 2.0))
             elif kind == "training":
                 target = (committed[-1] if committed else 0) + every * rng.randint(1, 3)
-                wait_until(lambda: committed_steps(checkpoints)[-1:] >= [target], process, 120)
+                wait_until(lambda target=target: committed_steps(checkpoints)[-1:] >= [target], process, 120)
                 time.sleep(rng.uniform(0.0, 0.05))
             else:
                 wait_until(lambda: saving(checkpoints), process, 120)
@@ -318,7 +347,9 @@ def test_kill_9_at_random_moments(tmp_path):
         log.close()
         text = log_path.read_text()
         if "resuming from" in text or "starting from" in text:
-            expected = f"resuming from checkpoint step {committed[-1]}" if committed else "starting from step 0"
+            expected = (
+                f"resuming from checkpoint step {committed[-1]}" if committed else "starting from step 0"
+            )
             assert expected in text, (attempt, committed, text[-1500:])
         if code == 0:
             break
@@ -332,6 +363,7 @@ def test_kill_9_at_random_moments(tmp_path):
 
 
 # --- The catalogue ------------------------------------------------------------------------
+
 
 def test_reliability_catalogue_is_current():
     """docs/reliability.md lists exactly the marked tests (python -m docs.generate reliability)."""

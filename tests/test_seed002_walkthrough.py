@@ -13,9 +13,7 @@ ATOL = 1e-5  # the fixture holds 6-decimal values
 @pytest.fixture(scope="module")
 def walkthrough(seed002):
     X = jnp.asarray(seed002["X"], jnp.float32)
-    v1_params = {
-        name: jnp.asarray(w, jnp.float32) for name, w in seed002["v1_weights_d_in_by_d_out"].items()
-    }
+    v1_params = {name: jnp.asarray(w, jnp.float32) for name, w in seed002["v1_weights_d_in_by_d_out"].items()}
     v2_params = {  # torch.nn.Linear stores [d_out, d_in]; nn.Dense wants [d_in, d_out]
         name: {"kernel": jnp.asarray(w, jnp.float32).T}
         for name, w in seed002["v2_weights_d_out_by_d_in"].items()
@@ -79,10 +77,7 @@ def test_parameter_counts(seed002):
         count_parameters(qkv_jax.MultiHeadAttention(num_heads=2), (5, 8))
         == counts["multihead_embed_8_heads_2_with_biases_and_output_projection"]
     )
-    assert (
-        count_parameters(qkv_jax.SelfAttention(768), (4, 768))
-        == counts["v2_d_in_768_d_out_768_no_bias"]
-    )
+    assert count_parameters(qkv_jax.SelfAttention(768), (4, 768)) == counts["v2_d_in_768_d_out_768_no_bias"]
 
 
 def test_static_attention_is_v1_with_identity_weights(walkthrough):

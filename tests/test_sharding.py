@@ -20,8 +20,13 @@ from qkv_jax.training.workdir import read_metrics
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 OVERRIDES = {
-    "model.num_heads": 4, "train.steps": 20, "train.batch_size": 16, "train.log_every": 5,
-    "train.checkpoint_every": 10, "eval.num_examples": 64, "eval.num_plot_examples": 2,
+    "model.num_heads": 4,
+    "train.steps": 20,
+    "train.batch_size": 16,
+    "train.log_every": 5,
+    "train.checkpoint_every": 10,
+    "eval.num_examples": 64,
+    "eval.num_plot_examples": 2,
 }
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4)]
 
@@ -36,8 +41,16 @@ def config_with(**overrides):
 
 def run_on_devices(devices, runs):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "multidevice.py"), json.dumps({"devices": devices, "runs": runs})],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "tests" / "multidevice.py"),
+            json.dumps({"devices": devices, "runs": runs}),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -69,8 +82,11 @@ def mesh_runs(tmp_path_factory):
     """The flag task on 8 simulated devices with each mesh, in one subprocess."""
     root = tmp_path_factory.mktemp("meshes")
     runs = [
-        {"workdir": str(root / f"{d}x{m}"), "config": "flag_retrieval:multihead",
-         "overrides": {**OVERRIDES, "mesh.data": d, "mesh.model": m}}
+        {
+            "workdir": str(root / f"{d}x{m}"),
+            "config": "flag_retrieval:multihead",
+            "overrides": {**OVERRIDES, "mesh.data": d, "mesh.model": m},
+        }
         for d, m in MESHES
     ]
     run_on_devices(8, runs)
@@ -86,10 +102,20 @@ def test_mesh_matches_one_device(mesh_runs, data, model):
 
 
 LM_OVERRIDES = {
-    "model.num_layers": 1, "model.d_model": 32, "model.num_heads": 4, "model.num_kv_heads": 2,
-    "model.max_len": 32, "task.seq_len": 32, "train.steps": 10, "train.batch_size": 16,
-    "train.warmup_steps": 2, "train.log_every": 5, "train.checkpoint_every": 10,
-    "eval.num_examples": 16, "eval.sample_length": 8, "eval.num_samples": 1,
+    "model.num_layers": 1,
+    "model.d_model": 32,
+    "model.num_heads": 4,
+    "model.num_kv_heads": 2,
+    "model.max_len": 32,
+    "task.seq_len": 32,
+    "train.steps": 10,
+    "train.batch_size": 16,
+    "train.warmup_steps": 2,
+    "train.log_every": 5,
+    "train.checkpoint_every": 10,
+    "eval.num_examples": 16,
+    "eval.sample_length": 8,
+    "eval.num_samples": 1,
 }
 
 
@@ -100,8 +126,11 @@ def lm_mesh_runs(tmp_path_factory):
     corpus = root / "code.txt"
     corpus.write_text("".join(f"def f_{i}(x):\n    return x * {i % 7}\n\n" for i in range(300)))
     runs = [
-        {"workdir": str(root / f"{d}x{m}"), "config": "char_lm",
-         "overrides": {**LM_OVERRIDES, "data.path": str(corpus), "mesh.data": d, "mesh.model": m}}
+        {
+            "workdir": str(root / f"{d}x{m}"),
+            "config": "char_lm",
+            "overrides": {**LM_OVERRIDES, "data.path": str(corpus), "mesh.data": d, "mesh.model": m},
+        }
         for d, m in MESHES
     ]
     run_on_devices(8, runs)
@@ -123,15 +152,32 @@ def test_lm_mesh_matches_one_device(lm_mesh_runs, data, model):
 
 @pytest.mark.slow
 @pytest.mark.reliability(
-    "Checkpoints", "resuming on another device count (saved on a 4 x 2 mesh of 8 devices, resumed on 1)",
+    "Checkpoints",
+    "resuming on another device count (saved on a 4 x 2 mesh of 8 devices, resumed on 1)",
     "orbax restores onto the new layout; the run ends as an uninterrupted one-device run (1e-5)",
 )
 def test_resume_from_eight_devices_onto_one(tmp_path, mesh_runs):
     workdir = tmp_path / "moved"
-    run_on_devices(8, [{"workdir": str(workdir), "config": "flag_retrieval:multihead",
-                        "overrides": {**OVERRIDES, "train.steps": 10, "mesh.data": 4, "mesh.model": 2}}])
-    run_on_devices(1, [{"workdir": str(workdir), "config": "flag_retrieval:multihead",
-                        "overrides": {**OVERRIDES, "mesh.data": 1, "mesh.model": 1}}])
+    run_on_devices(
+        8,
+        [
+            {
+                "workdir": str(workdir),
+                "config": "flag_retrieval:multihead",
+                "overrides": {**OVERRIDES, "train.steps": 10, "mesh.data": 4, "mesh.model": 2},
+            }
+        ],
+    )
+    run_on_devices(
+        1,
+        [
+            {
+                "workdir": str(workdir),
+                "config": "flag_retrieval:multihead",
+                "overrides": {**OVERRIDES, "mesh.data": 1, "mesh.model": 1},
+            }
+        ],
+    )
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == 10 and summary["mesh"] == {"data": 1, "model": 1}
     assert_same_run(mesh_runs / "1x1", workdir, config_with())
@@ -148,14 +194,31 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
     """2 processes x 2 devices on 127.0.0.1, through the real command line."""
     port = free_port()
     args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + [
-        "--config.mesh.data=2", "--config.mesh.model=2", "--compilation_cache=",
+        "--config.mesh.data=2",
+        "--config.mesh.model=2",
+        "--compilation_cache=",
     ]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "experiments.train", "--config", "configs/flag_retrieval.py:multihead",
-             "--workdir", str(tmp_path / "two"), "--num_cpu_devices=2", f"--coordinator=127.0.0.1:{port}",
-             "--num_processes=2", f"--process_id={i}", *args],
-            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "experiments.train",
+                "--config",
+                "configs/flag_retrieval.py:multihead",
+                "--workdir",
+                str(tmp_path / "two"),
+                "--num_cpu_devices=2",
+                f"--coordinator=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                *args,
+            ],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(2)
     ]
@@ -166,7 +229,7 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (out, err) in zip(processes, outputs):
+    for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert "eval_accuracy" in outputs[0][0] and "eval_accuracy" not in outputs[1][0]  # process 0 reports
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
@@ -175,7 +238,8 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
 
 
 @pytest.mark.reliability(
-    "Config and command line", "mesh a machine cannot hold: batch not divisible by the data axis, heads "
+    "Config and command line",
+    "mesh a machine cannot hold: batch not divisible by the data axis, heads "
     "not divisible by the model axis, more devices than exist, two -1 axes",
     "`ConfigError` naming the fields and values, before anything compiles",
 )
@@ -183,8 +247,16 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
     "overrides,devices,message",
     [
         ({"mesh.data": 3}, 8, "train.batch_size=16 is not divisible by the data axis (mesh.data=3)"),
-        ({"mesh.data": 2, "mesh.model": 3}, 8, "model.num_heads=4 is not divisible by the model axis (mesh.model=3)"),
-        ({"mesh.data": 4, "mesh.model": 4}, 8, "mesh.data=4 x mesh.model=4: asks for more devices than the 8"),
+        (
+            {"mesh.data": 2, "mesh.model": 3},
+            8,
+            "model.num_heads=4 is not divisible by the model axis (mesh.model=3)",
+        ),
+        (
+            {"mesh.data": 4, "mesh.model": 4},
+            8,
+            "mesh.data=4 x mesh.model=4: asks for more devices than the 8",
+        ),
         ({"mesh.data": -1, "mesh.model": -1}, 8, "at most one axis"),
         ({"mesh.model": 0}, 8, "mesh.model=0: must be a positive integer or -1"),
     ],
@@ -199,14 +271,24 @@ def test_layout_rules():
     assert mesh_shape(config_with(**{"mesh.model": 2}).to_dict(), num_devices=8) == (4, 2)
     assert mesh_shape(config_with(**{"mesh.data": 2, "mesh.model": -1}).to_dict(), num_devices=8) == (2, 4)
     path = lambda *names: tuple(jax.tree_util.DictKey(n) for n in names)  # noqa: E731
-    assert partition_spec(path("attention", "query", "kernel"), (8, 4, 2), 2) == jax.sharding.PartitionSpec(None, "model", None)
-    assert partition_spec(path("attention", "out", "kernel"), (4, 2, 8), 2) == jax.sharding.PartitionSpec("model", None, None)
-    assert partition_spec(path("block_0", "mlp_in", "kernel"), (8, 32), 4) == jax.sharding.PartitionSpec(None, "model")
-    assert partition_spec(path("attention", "key", "kernel"), (8, 1, 2), 2) == jax.sharding.PartitionSpec()  # MQA
+    assert partition_spec(path("attention", "query", "kernel"), (8, 4, 2), 2) == jax.sharding.PartitionSpec(
+        None, "model", None
+    )
+    assert partition_spec(path("attention", "out", "kernel"), (4, 2, 8), 2) == jax.sharding.PartitionSpec(
+        "model", None, None
+    )
+    assert partition_spec(path("block_0", "mlp_in", "kernel"), (8, 32), 4) == jax.sharding.PartitionSpec(
+        None, "model"
+    )
+    assert (
+        partition_spec(path("attention", "key", "kernel"), (8, 1, 2), 2) == jax.sharding.PartitionSpec()
+    )  # MQA
     assert partition_spec(path("attention", "query", "kernel"), (8, 4, 2), 1) == jax.sharding.PartitionSpec()
     # The optimizer state follows the parameters: Adam's mu/nu leaves get the same specs.
     config = config_with().to_dict()
     setup = build_setup(config)
-    abstract = jax.eval_shape(lambda k: init_train_state(setup, make_optimizer(config["train"]), k), seed_keys(0)["init"])
+    abstract = jax.eval_shape(
+        lambda k: init_train_state(setup, make_optimizer(config["train"]), k), seed_keys(0)["init"]
+    )
     shardings = state_shardings(abstract, make_mesh(1, 1))
     assert jax.tree.structure(shardings) == jax.tree.structure(abstract)

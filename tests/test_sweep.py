@@ -39,7 +39,9 @@ def test_vmapped_seeds_equal_training_each_seed_alone(tmp_path):
         summary = train_and_evaluate(alone, tmp_path / f"seed{seed}")
         _, state = load_checkpoint(tmp_path / f"seed{seed}", alone)
         jax.tree.map(
-            lambda vmapped, single: np.testing.assert_allclose(vmapped[index], single, atol=1e-6, rtol=0),
+            lambda vmapped, single, index=index: np.testing.assert_allclose(
+                vmapped[index], single, atol=1e-6, rtol=0
+            ),
             together["params"],
             state["params"],
         )
@@ -99,17 +101,35 @@ def test_tiny_sweep_end_to_end_with_resume(tmp_path):
 @pytest.mark.slow
 def test_sweep_command_line(tmp_path):
     args = [
-        sys.executable, "-m", "experiments.sweep", "--config", "configs/flag_retrieval.py:multihead",
-        "--workdir", str(tmp_path), "--sweep", "model.num_heads=1,3", "--seeds", "2",
-        "--config.train.steps=8", "--config.train.log_every=4", "--config.eval.num_examples=16",
+        sys.executable,
+        "-m",
+        "experiments.sweep",
+        "--config",
+        "configs/flag_retrieval.py:multihead",
+        "--workdir",
+        str(tmp_path),
+        "--sweep",
+        "model.num_heads=1,3",
+        "--seeds",
+        "2",
+        "--config.train.steps=8",
+        "--config.train.log_every=4",
+        "--config.eval.num_examples=16",
         "--compilation_cache=",
     ]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+    result = subprocess.run(
+        args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     assert result.returncode == 0, result.stderr
     assert "1 of 2 cells done, 1 skipped" in result.stdout
-    bad = subprocess.run(args[:-3] + ["--sweep", "model.d_k=two"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    bad = subprocess.run(
+        args[:-3] + ["--sweep", "model.d_k=two"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert bad.returncode != 0
     assert [line for line in bad.stderr.splitlines() if line.strip()] == [
         "error: --sweep model.d_k='two': not a int"

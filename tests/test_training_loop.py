@@ -68,7 +68,8 @@ def test_training_reduces_the_loss(small_run):
 
 
 @pytest.mark.reliability(
-    "Checkpoints", "a run stopped and resumed (also with more steps)",
+    "Checkpoints",
+    "a run stopped and resumed (also with more steps)",
     "ends with bit-identical parameters and the same metrics.jsonl as an uninterrupted run",
 )
 def test_resume_gives_identical_parameters(tmp_path):
@@ -89,7 +90,8 @@ def test_resume_gives_identical_parameters(tmp_path):
 
 
 @pytest.mark.reliability(
-    "Training", "loss blows up before the first checkpoint",
+    "Training",
+    "loss blows up before the first checkpoint",
     "`FloatingPointError` naming the step and window; no checkpoint and no summary are written",
 )
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
@@ -164,7 +166,9 @@ class TestFlagTask:
 def test_default_run_meets_the_seed_claims(tmp_path):
     """Seed 000: loss ~0 by step 400, the flagged position top-attended on fresh examples."""
     summary = train_and_evaluate(flag_retrieval.get_config(), tmp_path)
-    records = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    records = {
+        r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    }
     assert records[400] < 1e-2
     assert summary["final_loss"] < 1e-3
     assert summary["eval_accuracy"] >= 0.999

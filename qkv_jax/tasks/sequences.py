@@ -64,7 +64,9 @@ def _bracket_prefix(key: jax.Array, prefix_len: int, num_types: int):
     return tokens, stack, depth  # (P,), (P,), ()
 
 
-def bracket_batch(key: jax.Array, batch_size: int, prefix_len: int, num_types: int = 3) -> dict[str, jax.Array]:
+def bracket_batch(
+    key: jax.Array, batch_size: int, prefix_len: int, num_types: int = 3
+) -> dict[str, jax.Array]:
     """Bracket completion: `prefix, '=', completion` of `2 prefix_len + 1` tokens.
 
     Vocabulary `2 + 2 num_types`: 0 pad/end, 1 '=', `2 + t` opens type t,
@@ -75,7 +77,9 @@ def bracket_batch(key: jax.Array, batch_size: int, prefix_len: int, num_types: i
     `[batch, 2 prefix_len]`; the answers are the d closers and the end token.
     """
     if prefix_len < 1 or num_types < 1:
-        raise ValueError(f"bracket_batch: need prefix_len >= 1 and num_types >= 1, got {prefix_len}, {num_types}")
+        raise ValueError(
+            f"bracket_batch: need prefix_len >= 1 and num_types >= 1, got {prefix_len}, {num_types}"
+        )
     keys = jax.random.split(key, batch_size)
     prefix, stack, depth = jax.vmap(_bracket_prefix, in_axes=(0, None, None))(keys, prefix_len, num_types)
     steps = jnp.arange(prefix_len)  # (P,)

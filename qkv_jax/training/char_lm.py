@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,12 @@ import numpy as np
 import optax
 
 from qkv_jax import text
-from qkv_jax.diagnostics import collect_attention_weights, head_diagnostics, induction_scores, repeated_sequence
+from qkv_jax.diagnostics import (
+    collect_attention_weights,
+    head_diagnostics,
+    induction_scores,
+    repeated_sequence,
+)
 from qkv_jax.lm import TransformerLM, sample_tokens
 from qkv_jax.training import validate
 from qkv_jax.training.checkpoints import Checkpoints
@@ -67,8 +72,7 @@ def validate_model_config(config: Any, seq_len: int, source: str) -> None:
         validate.require_divides(config, "model.num_kv_heads", "model.num_heads")
     if seq_len > model["max_len"]:
         raise ConfigError(
-            f"model.max_len={model['max_len']}: shorter than the training sequences "
-            f"({source}={seq_len})"
+            f"model.max_len={model['max_len']}: shorter than the training sequences ({source}={seq_len})"
         )
 
 
@@ -104,8 +108,16 @@ def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> Transfo
     fields = {
         name: model_config[name]
         for name in (
-            "num_layers", "d_model", "num_heads", "num_kv_heads", "max_len", "mlp_dim",
-            "kv_latent_dim", "causal", "dropout_rate", "attention_dropout_rate",
+            "num_layers",
+            "d_model",
+            "num_heads",
+            "num_kv_heads",
+            "max_len",
+            "mlp_dim",
+            "kv_latent_dim",
+            "causal",
+            "dropout_rate",
+            "attention_dropout_rate",
         )
     }
     return TransformerLM(vocab_size=vocab_size, **{**fields, **overrides})
@@ -162,8 +174,9 @@ def build(config: Any) -> Setup:
         return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}  # (B, T) each
 
     def loss(params, batch, rng):
-        logits = model.apply(
-            {"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng}
+        logits = cast(
+            jax.Array,
+            model.apply({"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng}),
         )  # (B, T, V)
         return cross_entropy(logits, batch["targets"]), {}
 
@@ -181,15 +194,22 @@ def build(config: Any) -> Setup:
         }
         if not model.causal:
             metrics["val_unmasked_loss"] = mean_loss(model.apply, params, validation_batch)
-        metrics.update({
-            name.replace("loss", "bits_per_char"): value / NATS_PER_BIT
-            for name, value in list(metrics.items())
-        })
+        metrics.update(
+            {
+                name.replace("loss", "bits_per_char"): value / NATS_PER_BIT
+                for name, value in list(metrics.items())
+            }
+        )
         metrics["unigram_bits_per_char"] = data["unigram_bits_per_char"]
         metrics.update(head_metrics(params, validation_batch["inputs"], sample_key))
         samples = sample_tokens(
-            honest, params, jnp.asarray(prompt), sample_key, jnp.float32(evaluation["temperature"]),
-            max_new_tokens=evaluation["sample_length"], top_k=None,
+            honest,
+            params,
+            jnp.asarray(prompt),
+            sample_key,
+            jnp.float32(evaluation["temperature"]),
+            max_new_tokens=evaluation["sample_length"],
+            top_k=None,
         )  # (num_samples, sample_length)
         return metrics, {"samples": samples}
 

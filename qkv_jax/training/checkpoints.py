@@ -15,8 +15,8 @@ as they were.
 from __future__ import annotations
 
 import hashlib
-import warnings
 import pathlib
+import warnings
 from typing import Any
 
 import jax
@@ -68,9 +68,7 @@ class Checkpoints:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "record")
-        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "record"))
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -82,17 +80,13 @@ class Checkpoints:
         record = {"leaves": _leaf_records(state), "digest": tree_digest(state)}
         self._manager.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)
-            ),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)),
             force=True,
         )
         self._manager.wait_until_finished()
 
     def _check_fits(self, step: int, record: dict, target: Any) -> None:
-        expected = {
-            name: (r["shape"], r["dtype"]) for name, r in _abstract_records(target).items()
-        }
+        expected = {name: (r["shape"], r["dtype"]) for name, r in _abstract_records(target).items()}
         stored = {name: (r["shape"], r["dtype"]) for name, r in record["leaves"].items()}
         missing = sorted(set(expected) - set(stored))
         extra = sorted(set(stored) - set(expected))
@@ -127,7 +121,12 @@ class Checkpoints:
                     step, args=ocp.args.Composite(record=ocp.args.JsonRestore())
                 ).record
             except Exception as error:  # noqa: BLE001 - any read failure means skip it
-                warnings.warn(f"checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {error}); trying an older one", CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"checkpoint step {step} in {self.directory} is unreadable "
+                    f"({type(error).__name__}: {error}); trying an older one",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
                 continue
             self._check_fits(step, record, target)
             try:
@@ -135,10 +134,19 @@ class Checkpoints:
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
                 ).state
             except Exception as error:  # noqa: BLE001
-                warnings.warn(f"checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {error}); trying an older one", CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"checkpoint step {step} in {self.directory} is unreadable "
+                    f"({type(error).__name__}: {error}); trying an older one",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
                 continue
             if tree_digest(state) != record["digest"]:
-                warnings.warn(f"checkpoint step {step} in {self.directory} fails its checksum; trying an older one", CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"checkpoint step {step} in {self.directory} fails its checksum; trying an older one",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
                 continue
             return step, state
         return None

@@ -43,8 +43,7 @@ def validate_config(config: Any) -> None:
         )
     if task["num_flags"] > task["seq_len"]:
         raise ConfigError(
-            f"task.num_flags={task['num_flags']}: more flags than positions (task.seq_len="
-            f"{task['seq_len']})"
+            f"task.num_flags={task['num_flags']}: more flags than positions (task.seq_len={task['seq_len']})"
         )
 
 

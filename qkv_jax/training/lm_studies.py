@@ -23,6 +23,7 @@ import json
 import math
 import pathlib
 import time
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -73,16 +74,18 @@ def causal_mask(base: dict, workdir: pathlib.Path) -> dict:
     rows, curves = [], {}
     for arm, causal in (("causal", True), ("unmasked", False)):
         summary = train_arm(base, workdir, arm, {"causal": causal})
-        rows.append({
-            "arm": arm,
-            "causal_mask_in_training": causal,
-            "final_training_loss_nats": summary["final_loss"],
-            "train_bits_per_char": summary["eval_train_bits_per_char"],
-            "honest_val_bits_per_char": summary["eval_val_bits_per_char"],
-            "unmasked_val_bits_per_char": summary.get("eval_val_unmasked_bits_per_char"),
-            "unigram_bits_per_char": summary["eval_unigram_bits_per_char"],
-            "sample": summary["samples_after"][0],
-        })
+        rows.append(
+            {
+                "arm": arm,
+                "causal_mask_in_training": causal,
+                "final_training_loss_nats": summary["final_loss"],
+                "train_bits_per_char": summary["eval_train_bits_per_char"],
+                "honest_val_bits_per_char": summary["eval_val_bits_per_char"],
+                "unmasked_val_bits_per_char": summary.get("eval_val_unmasked_bits_per_char"),
+                "unigram_bits_per_char": summary["eval_unigram_bits_per_char"],
+                "sample": summary["samples_after"][0],
+            }
+        )
         curves[arm] = [[r["step"], r["loss"]] for r in read_metrics(workdir / arm / "metrics.jsonl")]
     return {"study": "causal_mask", "rows": rows, "curves": curves}
 
@@ -96,22 +99,24 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
     for row in rows:
         config = apply_overrides(base, row["cell"])
         setup = build_setup(config)
-        model = setup.apply.__self__  # the TransformerLM whose bound apply the setup carries
+        model = cast(Any, setup.apply).__self__  # the TransformerLM whose bound apply the setup carries
         params = jax.jit(setup.init)(jax.random.PRNGKey(0))
-        results.append({
-            "arm": arm_name(model),
-            "num_kv_heads": model.num_kv_heads,
-            "kv_latent_dim": model.kv_latent_dim,
-            "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
-            "seeds": row["seeds"],
-            "val_bits_per_char": row["eval_val_bits_per_char_stats"],
-            "train_bits_per_char": row["eval_train_bits_per_char_stats"],
-            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(model),
-            **{
-                f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(model, params, b)
-                for b in DECODE_BATCHES
-            },
-        })
+        results.append(
+            {
+                "arm": arm_name(model),
+                "num_kv_heads": model.num_kv_heads,
+                "kv_latent_dim": model.kv_latent_dim,
+                "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+                "seeds": row["seeds"],
+                "val_bits_per_char": row["eval_val_bits_per_char_stats"],
+                "train_bits_per_char": row["eval_train_bits_per_char_stats"],
+                "kv_cache_bytes_per_token": kv_cache_bytes_per_token(model),
+                **{
+                    f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(model, params, b)
+                    for b in DECODE_BATCHES
+                },
+            }
+        )
     return {"study": "kv_heads", "rows": results}
 
 
@@ -135,7 +140,14 @@ def _causal_mask_table(results: dict) -> list[str]:
             f"| {r['honest_val_bits_per_char']:.3f} | {as_trained:.3f} | {r['unigram_bits_per_char']:.3f} |"
         )
     for r in results["rows"]:
-        lines += ["", f"Sample from `{r['arm']}` (generated seeing only the past):", "", "```text", r["sample"], "```"]
+        lines += [
+            "",
+            f"Sample from `{r['arm']}` (generated seeing only the past):",
+            "",
+            "```text",
+            r["sample"],
+            "```",
+        ]
     return lines
 
 
@@ -175,12 +187,18 @@ def _kv_heads_plot(results: dict, axes) -> None:
     for r in rows:
         quality = r["val_bits_per_char"]
         axes[0].errorbar(
-            r["kv_cache_bytes_per_token"], quality["mean"], fmt="o",
+            r["kv_cache_bytes_per_token"],
+            quality["mean"],
+            fmt="o",
             yerr=[[quality["mean"] - quality["min"]], [quality["max"] - quality["mean"]]],
         )
         axes[0].annotate(r["arm"], (r["kv_cache_bytes_per_token"], quality["mean"]), fontsize=8)
-    axes[0].set(xscale="log", xlabel="KV-cache bytes per token", ylabel="validation bits per character",
-                title="quality against cache size")
+    axes[0].set(
+        xscale="log",
+        xlabel="KV-cache bytes per token",
+        ylabel="validation bits per character",
+        title="quality against cache size",
+    )
     batch = DECODE_BATCHES[-1]
     axes[1].bar([r["arm"] for r in rows], [r[f"decode_tokens_per_s_batch{batch}"] for r in rows])
     axes[1].set(ylabel="new tokens per second", title=f"decode speed, batch {batch}")

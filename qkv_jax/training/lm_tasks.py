@@ -8,7 +8,7 @@ random and cannot be learned). Metrics on fresh sequences: `loss` (nats),
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -69,15 +69,16 @@ def build(config: Any) -> Setup:
         return bracket_batch(key, batch_size, task["length"], task["num_types"])
 
     def loss(params, batch, rng):
-        logits = model.apply(
-            {"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng}
+        logits = cast(
+            jax.Array,
+            model.apply({"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng}),
         )  # (B, L, V)
         return answer_metrics(logits, batch)["loss"], {}
 
     def evaluate(params, key, data):
         del data  # the task is generated from the key alone
         batch = sample(key, config["eval"]["num_examples"])
-        logits = model.apply({"params": params}, batch["inputs"])  # (B, L, V)
+        logits = cast(jax.Array, model.apply({"params": params}, batch["inputs"]))  # (B, L, V)
         return answer_metrics(logits, batch), {}
 
     return Setup(

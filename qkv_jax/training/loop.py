@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -159,9 +160,7 @@ def make_train_chunk(
 
         def train_step(state: TrainState, inputs):
             batch, dropout_key = inputs
-            (loss, _), grads = jax.value_and_grad(setup.loss, has_aux=True)(
-                state.params, batch, dropout_key
-            )
+            (loss, _), grads = jax.value_and_grad(setup.loss, has_aux=True)(state.params, batch, dropout_key)
             return state.apply_gradients(grads=grads), loss
 
         return lax.scan(train_step, state, (batches, step_keys[:, 1]))

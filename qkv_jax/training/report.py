@@ -1,12 +1,12 @@
 """Reading a finished run or sweep: pictures, head diagnostics, attention maps.
 
-  report_run(workdir)      loss.png, the experiment's attention pictures of the
-                           newest checkpoint, report.json (evaluation metrics
-                           with per-head diagnostics)
-  report_sweep(workdir)    loss_curves.png (mean over seeds per cell) and the
-                           sweep's table plots
-  inspect_run(workdir, text)  attention_maps.png: every layer and head of the
-                           newest checkpoint on one input
+report_run(workdir)      loss.png, the experiment's attention pictures of the
+                         newest checkpoint, report.json (evaluation metrics
+                         with per-head diagnostics)
+report_sweep(workdir)    loss_curves.png (mean over seeds per cell) and the
+                         sweep's table plots
+inspect_run(workdir, text)  attention_maps.png: every layer and head of the
+                         newest checkpoint on one input
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def load_checkpoint(workdir: str | pathlib.Path, config: Any) -> tuple[int, dict
     state = jax.jit(lambda key: init_train_state(setup, tx, key))(seed_keys(config["seed"])["init"])
     checkpoints = Checkpoints(pathlib.Path(workdir) / "checkpoints")
     try:
-        return checkpoints.restore_latest({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+        return checkpoints.restore_latest(
+            {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        )
     finally:
         checkpoints.close()
 
@@ -95,7 +97,10 @@ def report_sweep(workdir: str | pathlib.Path) -> dict:
     for row in results["rows"]:
         if row["status"] == "done":
             losses = np.maximum(np.asarray(row["curves"], dtype=float), 1e-30)
-            curves[cell_name(row["cell"])] = (row["curve_steps"], np.exp(np.log(losses).mean(axis=0)).tolist())
+            curves[cell_name(row["cell"])] = (
+                row["curve_steps"],
+                np.exp(np.log(losses).mean(axis=0)).tolist(),
+            )
     plot_loss_curves(curves, workdir / "loss_curves.png", title="training loss, geometric mean over seeds")
     write_results(workdir, results["rows"], results["metric"])
     return {"cells": len(results["rows"]), "plotted": len(curves)}
@@ -108,7 +113,9 @@ def inspect_run(workdir: str | pathlib.Path, text: str | None = None) -> pathlib
     workdir = pathlib.Path(workdir)
     config, setup, params, step = load_run(workdir)
     if setup.inspect is None:
-        raise ConfigError(f"task.name={config['task']['name']!r}: this experiment has no attention maps to inspect")
+        raise ConfigError(
+            f"task.name={config['task']['name']!r}: this experiment has no attention maps to inspect"
+        )
     maps, query_labels, key_labels = setup.inspect(params, text)
     return plot_attention_maps(
         {layer: np.asarray(w) for layer, w in maps.items()},

@@ -8,16 +8,17 @@ import math
 import pathlib
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 from jax.experimental import checkify, multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qkv_jax.training.checkpoints import Checkpoints
-from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, state_shardings, to_host
 from qkv_jax.training.loop import (
     Setup,
     TrainState,
@@ -27,6 +28,7 @@ from qkv_jax.training.loop import (
     make_train_chunk,
     seed_keys,
 )
+from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, state_shardings, to_host
 from qkv_jax.training.validate import ConfigError, get_field
 from qkv_jax.training.workdir import MetricsWriter, prepare_workdir, read_metrics, write_json
 
@@ -167,19 +169,28 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     def chunk_jit(n: int):
         chunk = make_train_chunk(setup, n, batches_sharding)
         if use_checkify:  # the error value's sharding is left to XLA
-            return jax.jit(checkify.checkify(chunk, errors=checkify.float_checks),
-                           in_shardings=(state_sharding, replicated, replicated))
-        return jax.jit(chunk, in_shardings=(state_sharding, replicated, replicated),
-                       out_shardings=(state_sharding, replicated))
+            return jax.jit(
+                checkify.checkify(chunk, errors=checkify.float_checks),
+                in_shardings=(state_sharding, replicated, replicated),
+            )
+        return jax.jit(
+            chunk,
+            in_shardings=(state_sharding, replicated, replicated),
+            out_shardings=(state_sharding, replicated),
+        )
 
     compiler = _Compiler()
 
     def chunk_fn(n: int, wait: bool = True):
-        return compiler.get(("chunk", n), lambda: chunk_jit(n), abstract_state, keys["data"], setup.data, wait=wait)
+        return compiler.get(
+            ("chunk", n), lambda: chunk_jit(n), abstract_state, keys["data"], setup.data, wait=wait
+        )
 
     def evaluate_fn(wait: bool = True):
         jitted = lambda: jax.jit(  # noqa: E731
-            setup.evaluate, in_shardings=(state_sharding.params, replicated, replicated), out_shardings=replicated
+            setup.evaluate,
+            in_shardings=(state_sharding.params, replicated, replicated),
+            out_shardings=replicated,
         )
         return compiler.get("evaluate", jitted, abstract_state.params, keys["eval"], setup.data, wait=wait)
 
@@ -225,7 +236,8 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
                     error.throw()
                 except checkify.JaxRuntimeError as found:
                     raise FloatingPointError(
-                        f"checkify: {str(found).splitlines()[0]} (in the window of steps {step}-{step + n - 1})"
+                        f"checkify: {str(found).splitlines()[0]} "
+                        f"(in the window of steps {step}-{step + n - 1})"
                     ) from None
             else:
                 state, losses = run_chunk(state, keys["data"], setup.data)

@@ -8,7 +8,8 @@ vmapped run follows the same steps as a run with seed i alone.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,9 @@ def train_seeds(config: Any, seeds: Sequence[int]) -> dict:
         "untrained_metrics": {name: np.asarray(v).tolist() for name, v in untrained.items()},
         "curve_steps": curve_steps,
         "curves": curves_by_seed.tolist(),
-        "diverged": [s for s, ok in zip(seeds, np.isfinite(curves_by_seed).all(axis=1)) if not ok],
+        "diverged": [
+            s for s, ok in zip(seeds, np.isfinite(curves_by_seed).all(axis=1), strict=True) if not ok
+        ],
         "params": states.params,
         "compile_s": compile_s,
         "train_s": train_s,

@@ -20,7 +20,8 @@ import json
 import math
 import pathlib
 import re
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def grid(sweep: dict[str, Sequence[Any]] | Sequence[dict[str, Any]]) -> list[dic
     """Cells of a sweep: the cartesian product of {field: values}, or an explicit list."""
     if isinstance(sweep, dict):
         fields = list(sweep)
-        return [dict(zip(fields, values)) for values in itertools.product(*sweep.values())]
+        return [dict(zip(fields, values, strict=True)) for values in itertools.product(*sweep.values())]
     return [dict(cell) for cell in sweep]
 
 
@@ -111,7 +112,7 @@ def _stats(values: Iterable[float]) -> dict[str, float]:
 
 
 def _steps_to_threshold(steps: list[int], curve: list[float], threshold: float) -> float:
-    for step, loss in zip(steps, curve):
+    for step, loss in zip(steps, curve, strict=False):
         if loss < threshold:
             return float(step)
     return math.nan
@@ -224,11 +225,18 @@ def write_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> None:
         writer = csv.writer(f)
         writer.writerow(header)
         for row in rows:
-            stats = [row.get(f"{m}_stats", {}).get(s, "") for m in metrics for s in ("mean", "std", "min", "max")]
+            stats = [
+                row.get(f"{m}_stats", {}).get(s, "") for m in metrics for s in ("mean", "std", "min", "max")
+            ]
             per_seed = ";".join(_format(v) for v in row.get(metric, []))
             writer.writerow(
                 [row["cell"].get(f, "") for f in fields]
-                + [row["status"], row.get("reason", ""), len(row.get("seeds", [])), row.get("wall_time_s", "")]
+                + [
+                    row["status"],
+                    row.get("reason", ""),
+                    len(row.get("seeds", [])),
+                    row.get("wall_time_s", ""),
+                ]
                 + stats
                 + [per_seed]
             )
@@ -241,7 +249,9 @@ def results_table(rows: list[dict], metric: str, extra: Sequence[str] = ()) -> s
     fields = _fields(rows)
     columns = [metric, *extra]
     lines = [
-        "| " + " | ".join(fields + [f"{c} mean ± std [min, max]" for c in columns] + ["seeds", "time (s)"]) + " |",
+        "| "
+        + " | ".join(fields + [f"{c} mean ± std [min, max]" for c in columns] + ["seeds", "time (s)"])
+        + " |",
         "|" + "---|" * (len(fields) + len(columns) + 2),
     ]
     for row in rows:
@@ -252,7 +262,10 @@ def results_table(rows: list[dict], metric: str, extra: Sequence[str] = ()) -> s
             for column in columns:
                 s = row.get(f"{column}_stats")
                 cells.append(
-                    "-" if s is None else f"{_format(s['mean'])} ± {_format(s['std'])} [{_format(s['min'])}, {_format(s['max'])}]"
+                    "-"
+                    if s is None
+                    else f"{_format(s['mean'])} ± {_format(s['std'])} "
+                    f"[{_format(s['min'])}, {_format(s['max'])}]"
                 )
             cells += [str(len(row["seeds"])), f"{row['wall_time_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -276,7 +289,10 @@ def plot_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> list[p
     series_field = fields[1] if len(fields) > 1 else None
     paths = [
         plot_sweep_lines(
-            [(r["cell"][x_field], r["cell"].get(series_field) if series_field else None, value(r)) for r in done],
+            [
+                (r["cell"][x_field], r["cell"].get(series_field) if series_field else None, value(r))
+                for r in done
+            ],
             x_field,
             series_field,
             metric,
@@ -289,7 +305,9 @@ def plot_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> list[p
         ys = sorted({r["cell"][series_field] for r in rows}, key=_sort_key)
         grid_values = np.array([[cells.get((x, y), np.nan) for x in xs] for y in ys], dtype=float)
         paths.append(
-            plot_sweep_heatmap(grid_values, xs, ys, x_field, series_field, metric, workdir / f"{metric}_heatmap.png")
+            plot_sweep_heatmap(
+                grid_values, xs, ys, x_field, series_field, metric, workdir / f"{metric}_heatmap.png"
+            )
         )
     return paths
 

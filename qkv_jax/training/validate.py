@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "ConfigError",
@@ -54,8 +55,10 @@ def require_nonnegative_int(config: Any, *fields: str) -> None:
 def require_positive_float(config: Any, *fields: str) -> None:
     for field in fields:
         value = get_field(config, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > 0
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value > 0)
         ):
             raise ConfigError(f"{field}={value!r}: must be a positive finite number")
 
@@ -85,6 +88,4 @@ def require_bool(config: Any, *fields: str) -> None:
 def require_divides(config: Any, divisor_field: str, dividend_field: str) -> None:
     divisor, dividend = get_field(config, divisor_field), get_field(config, dividend_field)
     if dividend % divisor:
-        raise ConfigError(
-            f"{divisor_field}={divisor} does not divide {dividend_field}={dividend}"
-        )
+        raise ConfigError(f"{divisor_field}={divisor} does not divide {dividend_field}={dividend}")

@@ -12,7 +12,8 @@ import pathlib
 import shutil
 import tempfile
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from qkv_jax.training.validate import ConfigError
 
@@ -37,8 +38,14 @@ RESUMABLE_FIELDS = (
 )
 # Outputs a run owns; with train.overwrite=True they are moved aside, not deleted.
 RUN_OUTPUTS = (
-    "config.json", "metrics.jsonl", "summary.json", "checkpoints", "samples.txt", "tokenizer.json",
-    "tensorboard", "report.json",
+    "config.json",
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoints",
+    "samples.txt",
+    "tokenizer.json",
+    "tensorboard",
+    "report.json",
 )
 
 
@@ -83,7 +90,9 @@ def _check_writable(workdir: pathlib.Path) -> None:
         with tempfile.NamedTemporaryFile(dir=workdir):
             pass
     except OSError as error:
-        raise ConfigError(f"workdir={str(workdir)!r}: cannot write there ({error.strerror or error})") from None
+        raise ConfigError(
+            f"workdir={str(workdir)!r}: cannot write there ({error.strerror or error})"
+        ) from None
 
 
 def prepare_workdir(
