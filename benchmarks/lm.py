@@ -1,6 +1,7 @@
 r"""The char LM: KV-cache decoding against recomputation, and training speed against PyTorch.
 
   python benchmarks/lm.py [--steps 10] [--rounds 3]
+  python benchmarks/lm.py --gpu [--dry-run]   # benchmarks/gpu.sh's LM step (lm_gpu.json)
 
 Every measurement runs in a fresh subprocess of this script (`--worker ...`),
 once with glibc malloc and once with tcmalloc preloaded
@@ -192,6 +193,72 @@ def worker_torch_train(name: str, steps: int, threads: int | None) -> dict:
     }
 
 
+def gpu_run(steps: int, dry_run: bool) -> None:
+    """benchmarks/gpu.sh's LM step: training tokens/s of both models and KV-cache
+    decoding, in this process on the default device (plain `jax.jit`; the CPU
+    compiler options do not apply). Writes benchmarks/results/lm_gpu.json unless
+    `dry_run` (2 steps, any device, nothing written)."""
+    import jax
+    import numpy as np
+
+    from qkv_jax.lm import generate
+    from qkv_jax.training import build_setup, init_train_state, make_optimizer, make_train_chunk, seed_keys
+    from qkv_jax.training.char_lm import make_model
+
+    steps = 2 if dry_run else steps
+    device = jax.devices()[0]
+    lines = [
+        f"Device: {device.device_kind} ({jax.default_backend()}); float32 parameters; "
+        f"{steps} training steps per timed call, median of 3 calls.",
+        "",
+        "| measurement | tokens/s |",
+        "|---|---|",
+    ]
+    ratios: dict = {}
+    for name in MODELS:
+        config = model_config(name)
+        setup = build_setup(config)
+        tx = make_optimizer(config["train"])
+        keys = seed_keys(config["seed"])
+        state = jax.jit(lambda key, setup=setup, tx=tx: init_train_state(setup, tx, key))(keys["init"])
+        chunk = jax.jit(make_train_chunk(setup, steps))
+        warm, losses = chunk(state, keys["data"], setup.data)  # compiles
+        losses.block_until_ready()
+        data_key = keys["data"]
+
+        def call(chunk=chunk, warm=warm, data_key=data_key, data=setup.data):
+            return chunk(warm, data_key, data)[1].block_until_ready()
+
+        run_s = timed_median(call, 3)
+        tokens = config["train"]["batch_size"] * config["task"]["seq_len"] * steps
+        lines.append(f"| {name} training | {tokens / run_s:.0f} |")
+        ratios[f"{name}_training_tokens_per_s"] = tokens / run_s
+    config = model_config("char_lm")
+    model = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.max_len), np.int32))["params"]
+    new_tokens = 8 if dry_run else NEW_TOKENS
+    for batch in DECODE_BATCHES:
+        prompt = np.ones((batch, 1), np.int32)
+
+        def decode(prompt=prompt):
+            return generate(model, params, prompt, new_tokens, rng=jax.random.PRNGKey(0), temperature=0.0)
+
+        decode().block_until_ready()  # compiles
+        seconds = timed_median(lambda decode=decode: decode().block_until_ready(), 3)
+        lines.append(f"| char_lm KV-cache decoding, batch {batch} | {batch * new_tokens / seconds:.0f} |")
+        ratios[f"char_lm_decode_batch{batch}_tokens_per_s"] = batch * new_tokens / seconds
+    print("\n".join(lines))
+    if dry_run:
+        print("dry run: nothing written")
+        return
+    path = write_results(
+        "lm_gpu",
+        f"python benchmarks/lm.py --gpu --steps {steps}",
+        {"title": "LM on a GPU (benchmarks/gpu.sh)", "table": lines, "ratios": ratios},
+    )
+    print(f"wrote {path}")
+
+
 def spawn(args: list[str], tcmalloc: bool) -> dict:
     env = {"PYTHONPATH": str(ROOT), "LD_PRELOAD": TCMALLOC if tcmalloc else ""}
     _, out = run_timed([PYTHON, "benchmarks/lm.py", *args], env=env)
@@ -276,7 +343,12 @@ def main() -> None:
     parser.add_argument("--worker", choices=("decode", "jax-train", "torch-train"))
     parser.add_argument("--model", choices=MODELS, default="char_lm")
     parser.add_argument("--threads", type=int, help="torch-train: torch.set_num_threads")
+    parser.add_argument("--gpu", action="store_true", help="benchmarks/gpu.sh's step, in-process")
+    parser.add_argument("--dry-run", action="store_true", help="with --gpu: 2 steps, any device, no file")
     args = parser.parse_args()
+    if args.gpu:
+        gpu_run(args.steps, args.dry_run)
+        return
     if args.worker == "decode":
         print(json.dumps(worker_decode()))
         return

@@ -49,6 +49,8 @@ def get_config(arg=None):
     config.model.num_kv_heads = config_dict.placeholder(int)
     # MLA latent width; unset = off.
     config.model.kv_latent_dim = config_dict.placeholder(int)
+    # dot_product_attention's path: reference, xla or chunked; unset = its dispatch rule.
+    config.model.attention_implementation = config_dict.placeholder(str)
     # MLP hidden width; unset = 4 * d_model.
     config.model.mlp_dim = config_dict.placeholder(int)
     # Positions: the sequence length, 2 * task.length (lazy, follows overrides).

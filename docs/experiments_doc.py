@@ -489,18 +489,24 @@ def lm_kv_heads() -> str:
     answer = (
         f"The cache shrinks as designed: {mha['kv_cache_bytes_per_token']} bytes per token for "
         f"8 K/V heads, {mqa['kv_cache_bytes_per_token']} for one "
-        f"({fmt(mha['kv_cache_bytes_per_token'] / mqa['kv_cache_bytes_per_token'], 3)}x less); MLA's "
-        f"latents match GQA-2 and MQA. Validation loss ranges from {fmt(min(means), 4)} to "
+        f"({fmt(mha['kv_cache_bytes_per_token'] / mqa['kv_cache_bytes_per_token'], 3)}x less); "
+        + "".join(
+            f"MLA with a {r['kv_latent_dim']}-wide latent caches {r['kv_cache_bytes_per_token']} bytes. "
+            for r in record["rows"]
+            if r["kv_latent_dim"]
+        )
+        + f"Validation loss ranges from {fmt(min(means), 4)} to "
         f"{fmt(max(means), 4)} bits/char across the variants, while two seeds of one variant differ "
         f"by up to {fmt(spread, 3)}. "
         + (
             "The variants separate beyond seed noise; see the table for the order."
             if resolved
-            else "At this scale (300 steps, 0.4M parameters) the quality cost of sharing K/V heads is "
+            else f"At this scale (300 steps, {mha['num_params'] / 1e6:.2f}M parameters) the quality cost "
+            "of sharing K/V heads is "
             "smaller than the seed-to-seed noise: the trade seed 001 describes exists at scale, "
             "but this experiment cannot resolve it, and says so."
         )
-        + f" Decoding {DECODE_NOTE}"
+        + f" Decoding {decode_note(rows)}"
     )
     return "\n".join(
         [
@@ -527,12 +533,42 @@ def lm_kv_heads() -> str:
     )
 
 
-DECODE_NOTE = (
-    "speed is measured on this 2-core CPU, where a small model's decode step is dominated by "
-    "per-step overhead rather than by reading the cache, so it shows little of the memory-bandwidth "
-    "saving a smaller cache buys on an accelerator; MLA, which rebuilds K and V from the cached "
-    "latents at every step (no weight absorption here), pays for its smaller cache in compute."
-)
+def decode_note(rows: dict[str, dict]) -> str:
+    """The decode-speed sentence, from the measured rows (largest batch measured)."""
+    key = max(
+        (k for k in rows["mha_kv8"] if k.startswith("decode_tokens_per_s_batch")), key=lambda k: int(k[25:])
+    )
+    batch = key[len("decode_tokens_per_s_batch") :]
+    mha, mqa = rows["mha_kv8"][key], rows["mqa_kv1"][key]
+    text = (
+        f"speed at batch {batch}: {mha:.0f} tokens/s with 8 K/V heads, {mqa:.0f} with one "
+        f"({fmt(mqa / mha, 3)}x). "
+    )
+    if mqa > 1.1 * mha:
+        text += "The smaller cache decodes faster here too. "
+    else:
+        text += (
+            "On this 2-core CPU the smaller cache buys little decode speed at this model size; what it "
+            "saves is memory (and memory bandwidth, which an accelerator's decode is bound by). "
+        )
+    latents = sorted(
+        (r for arm, r in rows.items() if arm.startswith("mla_")), key=lambda r: r["kv_latent_dim"]
+    )
+    gqa2 = rows.get("gqa_kv2")
+    if latents and gqa2:
+        mla = latents[-1]
+        slower = mla[key] < 0.9 * gqa2[key]
+        text += (
+            f"MLA with a {mla['kv_latent_dim']}-wide latent (GQA-2's cache size) decodes at "
+            f"{mla[key]:.0f} tokens/s against GQA-2's {gqa2[key]:.0f}"
+            + (
+                ": it rebuilds K and V from the cached latents at every step (no weight absorption "
+                "here), so it pays for its smaller cache in compute."
+                if slower
+                else "."
+            )
+        )
+    return text
 
 
 STUDIES: dict[str, Callable[[], str]] = {

@@ -55,6 +55,8 @@ class TransformerBlock(nn.Module):
       attention_dropout_rate: dropout on the attention weights.
       sow_weights: sow the attention weights `[batch..., N, T, S]` into
         `intermediates/attention/attention_weights`.
+      attention_implementation: `dot_product_attention`'s path (None: its
+        dispatch rule); see `MultiHeadAttention`.
     """
 
     num_heads: int
@@ -65,6 +67,7 @@ class TransformerBlock(nn.Module):
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     sow_weights: bool = False
+    attention_implementation: str | None = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
@@ -81,6 +84,7 @@ class TransformerBlock(nn.Module):
             is_causal=self.causal,
             dropout_rate=self.attention_dropout_rate,
             sow_weights=self.sow_weights,
+            attention_implementation=self.attention_implementation,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="attention",
@@ -106,6 +110,8 @@ class TransformerLM(nn.Module):
       mlp_dim: MLP hidden width (default 4 d_model).
       causal: causal self-attention (False: every position sees every other).
       sow_weights: every block sows its attention weights (see TransformerBlock).
+      attention_implementation: `dot_product_attention`'s path in every block
+        (None: its dispatch rule picks the fastest eligible one).
       dropout_rate, attention_dropout_rate: dropout on embeddings and residual
         branches, and on the attention weights, when not deterministic.
 
@@ -125,6 +131,7 @@ class TransformerLM(nn.Module):
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     sow_weights: bool = False
+    attention_implementation: str | None = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
@@ -188,6 +195,7 @@ class TransformerLM(nn.Module):
                 dropout_rate=self.dropout_rate,
                 attention_dropout_rate=self.attention_dropout_rate,
                 sow_weights=self.sow_weights,
+                attention_implementation=self.attention_implementation,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 name=f"block_{layer}",

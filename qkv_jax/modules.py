@@ -325,6 +325,10 @@ class MultiHeadAttention(nn.Module):
       scale: logits scale, default `1/sqrt(head_dim)`.
       sow_weights: sow attention weights `[batch..., N, T, S]` into
         `intermediates/attention_weights`.
+      attention_implementation: `dot_product_attention`'s `implementation`
+        (None: its dispatch rule picks the fastest eligible path). Calls that
+        sow weights or apply attention dropout always take "reference", the
+        only path that does either.
 
     `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False)`:
     `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]` (defaults to
@@ -353,6 +357,7 @@ class MultiHeadAttention(nn.Module):
     dropout_rate: float = 0.0
     scale: float | None = None
     sow_weights: bool = False
+    attention_implementation: str | None = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
@@ -478,6 +483,8 @@ class MultiHeadAttention(nn.Module):
         head_dim = self.resolved_head_dim(features)
         query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
         key, value, mask, fits = self._keys_and_values(inputs_kv, mask, decode, head_dim)
+        dropout = _dropout(self, self.dropout_rate, deterministic)
+        needs_reference = self.sow_weights or dropout["dropout_rate"] > 0
         attended = dot_product_attention(
             query,
             key,
@@ -485,8 +492,9 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             is_causal=self.is_causal and fits is None,  # a cache's mask is already causal
             scale=self.scale,
-            **_dropout(self, self.dropout_rate, deterministic),
+            **dropout,
             return_weights=self.sow_weights,
+            implementation="reference" if needs_reference else self.attention_implementation,
         )
         if self.sow_weights:
             output, weights = attended  # (..., T, N, Hv), (..., N, T, S)

@@ -312,6 +312,31 @@ def test_multi_head_attention_takes_the_chunked_path_on_long_inputs():
     assert "custom_vjp_call" in program  # the chunked kernel's custom VJP
 
 
+def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference():
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
+    logits = {}
+    for implementation in (None, "reference", "chunked"):
+        model = qkv_jax.TransformerLM(
+            vocab_size=11,
+            num_layers=1,
+            d_model=16,
+            num_heads=4,
+            num_kv_heads=2,
+            max_len=12,
+            attention_implementation=implementation,
+        )
+        params = model.init(jax.random.PRNGKey(0), tokens)
+        logits[implementation] = model.apply(params, tokens)
+    np.testing.assert_allclose(logits["chunked"], logits["reference"], atol=1e-5)
+    program = str(jax.make_jaxpr(lambda p: model.apply(p, tokens))(params))
+    assert "custom_vjp_call" in program  # the chunked kernel, asked for at only 12 keys
+    sowing = qkv_jax.MultiHeadAttention(num_heads=2, sow_weights=True, attention_implementation="chunked")
+    inputs = jnp.ones((1, 4, 8))
+    variables = sowing.init(jax.random.PRNGKey(0), inputs)
+    _, state = sowing.apply(variables, inputs, mutable=["intermediates"])  # no "cannot return weights"
+    np.testing.assert_allclose(state["intermediates"]["attention_weights"][0].sum(-1), 1.0, rtol=1e-6)
+
+
 HALF_Q, HALF_KV = np.ones((2, 4, 4, 4), np.float16), np.ones((2, 5, 2, 4), np.float16)
 BAD_REQUESTS = [
     ("unknown", dict(implementation="flash"), "implementation must be None or one of"),

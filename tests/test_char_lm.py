@@ -69,6 +69,10 @@ def text_file(tmp_path_factory):
         (dict(data__path="/nonexistent.txt"), "data.path='/nonexistent.txt': not a readable file"),
         (dict(train__schedule="linear"), "train.schedule='linear': unknown; choose one of constant, cosine"),
         (dict(data__validation_fraction=0.0), "data.validation_fraction=0: must be in (0, 1)"),
+        (
+            dict(model__attention_implementation="flash"),
+            "model.attention_implementation='flash': unknown; choose one of reference, xla, chunked",
+        ),
     ],
 )
 def test_bad_configs_fail_before_any_work(text_file, overrides, message):

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from qkv_jax import text
+from qkv_jax.attention import IMPLEMENTATIONS
 from qkv_jax.diagnostics import (
     collect_attention_weights,
     head_diagnostics,
@@ -68,6 +69,8 @@ def validate_model_config(config: Any, seq_len: int, source: str) -> None:
         if model[field] is not None:
             validate.require_positive_int(config, f"model.{field}")
     validate.require_divides(config, "model.num_heads", "model.d_model")
+    if model.get("attention_implementation") is not None:
+        validate.require_choice(config, "model.attention_implementation", IMPLEMENTATIONS)
     if model["num_kv_heads"] is not None:
         validate.require_divides(config, "model.num_kv_heads", "model.num_heads")
     if seq_len > model["max_len"]:
@@ -118,7 +121,9 @@ def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> Transfo
             "causal",
             "dropout_rate",
             "attention_dropout_rate",
+            "attention_implementation",
         )
+        if name in model_config  # configs written before the field existed
     }
     return TransformerLM(vocab_size=vocab_size, **{**fields, **overrides})
 
