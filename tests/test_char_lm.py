@@ -51,7 +51,7 @@ def text_file(tmp_path_factory):
     "Config and command line",
     "language-model config a machine cannot run: task.seq_len beyond model.max_len, num_kv_heads not "
     "dividing num_heads, heads not dividing d_model, a sample longer than max_len, an unreadable "
-    "data.path, an unknown schedule",
+    "data.path, an unknown schedule or attention implementation",
     "`ConfigError` naming the field and value before any work (the command line prints it as one line)",
 )
 @pytest.mark.parametrize(
