@@ -445,8 +445,9 @@ def cpu_main(args) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+    title = "Attention on CPU" + ("" if args.name == "attention" else f" ({args.name})")
     path = write_results(
-        "attention", command.strip(), {"title": "Attention on CPU", **data, "table": table, "ratios": ratios}
+        args.name, command.strip(), {"title": title, **data, "table": table, "ratios": ratios}
     )
     print(f"wrote {path.relative_to(ROOT)}")
 
@@ -620,6 +621,9 @@ def parse_args(argv=None):
     parser.add_argument("--long-from", type=int, default=2048, help="lengths from here: a process per case")
     parser.add_argument("--max-gib", type=float, help="memory budget (default 85%% of what is available)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument(
+        "--name", default="attention", help="CPU run: writes benchmarks/results/NAME.json (a focused rerun)"
+    )
     parser.add_argument(
         "--allocators",
         type=lambda t: t.split(","),
