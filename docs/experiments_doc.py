@@ -486,6 +486,8 @@ def lm_kv_heads() -> str:
     means = [r["val_bits_per_char"]["mean"] for r in record["rows"]]
     spread = max(r["val_bits_per_char"]["max"] - r["val_bits_per_char"]["min"] for r in record["rows"])
     resolved = max(means) - min(means) > 2 * spread
+    best = min(record["rows"], key=lambda r: r["val_bits_per_char"]["mean"])
+    worst = max(record["rows"], key=lambda r: r["val_bits_per_char"]["mean"])
     answer = (
         f"The cache shrinks as designed: {mha['kv_cache_bytes_per_token']} bytes per token for "
         f"8 K/V heads, {mqa['kv_cache_bytes_per_token']} for one "
@@ -501,10 +503,11 @@ def lm_kv_heads() -> str:
         + (
             "The variants separate beyond seed noise; see the table for the order."
             if resolved
-            else f"At this scale (300 steps, {mha['num_params'] / 1e6:.2f}M parameters) the quality cost "
-            "of sharing K/V heads is "
-            "smaller than the seed-to-seed noise: the trade seed 001 describes exists at scale, "
-            "but this experiment cannot resolve it, and says so."
+            else f"The best variant is {best['arm']} ({fmt(best['val_bits_per_char']['mean'], 4)}) and the "
+            f"worst {worst['arm']} ({fmt(worst['val_bits_per_char']['mean'], 4)}), but that gap is within "
+            f"twice the seed-to-seed spread: at this scale (300 steps, {mha['num_params'] / 1e6:.2f}M "
+            "parameters, 2 seeds) the experiment does not resolve the quality cost of sharing K/V heads "
+            "that seed 001 describes, and says so."
         )
         + f" Decoding {decode_note(rows)}"
     )
