@@ -26,6 +26,6 @@ setup(
     extras_require={
         "test": ["pytest>=7.4", "pytest-xdist>=3.5", "tensorboardX>=2.6", "ruff>=0.6", "mypy>=1.10"],
         "parity": ["torch>=2.1"],
-        "tensorboard": ["tensorboardX>=2.6"],
+        "tensorboard": ["tensorboard>=2.14"],  # the viewer; event files are written without it
     },
 )

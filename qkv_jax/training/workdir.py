@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from qkv_jax.training.tensorboard import EventWriter
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
@@ -155,8 +156,9 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
 class MetricsWriter:
     """Appends one JSON object per line, and the same scalars to TensorBoard.
 
-    TensorBoard event files go to `<workdir>/tensorboard/` when tensorboardX
-    is installed (`pip install 'qkv_jax[tensorboard]'`; no TensorFlow needed).
+    TensorBoard event files go to `<workdir>/tensorboard/`
+    (`qkv_jax.training.tensorboard`: no TensorFlow or tensorboardX needed; read
+    them with `tensorboard --logdir <workdir>/tensorboard`).
 
     On resume from `start_step` it keeps the earlier records on the `log_every`
     grid and drops the rest (records a killed run wrote past its checkpoint, and
@@ -167,7 +169,7 @@ class MetricsWriter:
     def __init__(self, path: str | pathlib.Path, start_step: int, log_every: int, enabled: bool = True):
         self.path = pathlib.Path(path)
         self.enabled = enabled
-        self._tensorboard = None
+        self._tensorboard: EventWriter | None = None
         if not enabled:
             return
         kept = [
@@ -177,11 +179,7 @@ class MetricsWriter:
         ]
         self._write_all(kept)
         self._file = open(self.path, "a")
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            return
-        self._tensorboard = SummaryWriter(logdir=str(self.path.parent / "tensorboard"), purge_step=start_step)
+        self._tensorboard = EventWriter(self.path.parent / "tensorboard", purge_step=start_step)
 
     def _write_all(self, records: Iterable[dict]) -> None:
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
