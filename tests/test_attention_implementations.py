@@ -315,7 +315,7 @@ def test_multi_head_attention_takes_the_chunked_path_on_long_inputs():
 def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
     logits = {}
-    for implementation in (None, "reference", "chunked"):
+    for implementation in ("reference", "chunked"):
         model = qkv_jax.TransformerLM(
             vocab_size=11,
             num_layers=1,

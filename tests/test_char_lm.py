@@ -188,19 +188,16 @@ def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
         eval__num_examples=8,
         eval__sample_length=8,
     ).to_dict()
-    cells = [
-        {"model.num_kv_heads": 4, "model.kv_latent_dim": None},
+    cells = [  # MQA and MLA; the cache sizes of the others are tests/test_lm.py's
         {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
         {"model.num_kv_heads": 4, "model.kv_latent_dim": 8},
     ]
     results = lm_studies.kv_heads(base, tmp_path, cells, seeds=[0, 1])
     record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies kv_heads")
-    mha, mqa, mla = record["rows"]
-    assert [r["arm"] for r in record["rows"]] == ["mha_kv4", "mqa_kv1", "mla_latent8"]
+    mqa, mla = record["rows"]
+    assert [r["arm"] for r in record["rows"]] == ["mqa_kv1", "mla_latent8"]
     # Cache bytes per token: K and V of every layer (float32) or MLA's latent alone.
-    assert (
-        mha["kv_cache_bytes_per_token"] == 2 * 4 * 8 * 4 and mqa["kv_cache_bytes_per_token"] == 2 * 1 * 8 * 4
-    )
+    assert mqa["kv_cache_bytes_per_token"] == 2 * 1 * 8 * 4
     assert mla["kv_cache_bytes_per_token"] == 8 * 4
     assert json.loads((tmp_path / "results.json").read_text()) == record
     cell = json.loads(
