@@ -118,31 +118,41 @@ def worker_decode() -> dict:
     return results
 
 
-def worker_jax_train(name: str, steps: int) -> dict:
+def initial_training(name: str):
+    """(config, setup, data key, initial TrainState) of a model's launcher run."""
     import jax
 
-    from qkv_jax.training import build_setup, init_train_state, make_optimizer, make_train_chunk, seed_keys
-    from qkv_jax.training.run import CPU_COMPILER_OPTIONS
+    from qkv_jax.training import build_setup, init_train_state, make_optimizer, seed_keys
 
     config = model_config(name)
     setup = build_setup(config)
     tx = make_optimizer(config["train"])
     keys = seed_keys(config["seed"])
     state = jax.jit(lambda key: init_train_state(setup, tx, key))(keys["init"])
+    return config, setup, keys["data"], state
+
+
+def worker_jax_train(name: str, steps: int) -> dict:
+    import jax
+
+    from qkv_jax.training import make_train_chunk
+    from qkv_jax.training.run import CPU_COMPILER_OPTIONS
+
+    config, setup, data_key, state = initial_training(name)
     tokens_per_step = config["train"]["batch_size"] * config["task"]["seq_len"]
     results = {
         "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
         "launcher_compiler_options": CPU_COMPILER_OPTIONS,
     }
     for level in (1, 2):
-        lowered = jax.jit(make_train_chunk(setup, steps)).lower(state, keys["data"], setup.data)
+        lowered = jax.jit(make_train_chunk(setup, steps)).lower(state, data_key, setup.data)
         started = time.perf_counter()
         chunk = lowered.compile(compiler_options={"xla_backend_optimization_level": level})
         compile_s = time.perf_counter() - started
-        warm, losses = chunk(state, keys["data"], setup.data)  # the first call pays one-time costs
+        warm, losses = chunk(state, data_key, setup.data)  # the first call pays one-time costs
         losses.block_until_ready()
         run_s = timed_median(
-            lambda chunk=chunk, warm=warm: chunk(warm, keys["data"], setup.data)[1].block_until_ready(), 2
+            lambda chunk=chunk, warm=warm: chunk(warm, data_key, setup.data)[1].block_until_ready(), 2
         )
         results[f"opt_level_{level}"] = {
             "compile_s": compile_s,
@@ -202,7 +212,7 @@ def gpu_run(steps: int, dry_run: bool) -> None:
     import numpy as np
 
     from qkv_jax.lm import generate
-    from qkv_jax.training import build_setup, init_train_state, make_optimizer, make_train_chunk, seed_keys
+    from qkv_jax.training import make_train_chunk
     from qkv_jax.training.char_lm import make_model
 
     steps = 2 if dry_run else steps
@@ -216,15 +226,10 @@ def gpu_run(steps: int, dry_run: bool) -> None:
     ]
     ratios: dict = {}
     for name in MODELS:
-        config = model_config(name)
-        setup = build_setup(config)
-        tx = make_optimizer(config["train"])
-        keys = seed_keys(config["seed"])
-        state = jax.jit(lambda key, setup=setup, tx=tx: init_train_state(setup, tx, key))(keys["init"])
+        config, setup, data_key, state = initial_training(name)
         chunk = jax.jit(make_train_chunk(setup, steps))
-        warm, losses = chunk(state, keys["data"], setup.data)  # compiles
+        warm, losses = chunk(state, data_key, setup.data)  # compiles
         losses.block_until_ready()
-        data_key = keys["data"]
 
         def call(chunk=chunk, warm=warm, data_key=data_key, data=setup.data):
             return chunk(warm, data_key, data)[1].block_until_ready()

@@ -538,10 +538,9 @@ def lm_kv_heads() -> str:
 
 def decode_note(rows: dict[str, dict]) -> str:
     """The decode-speed sentence, from the measured rows (largest batch measured)."""
-    key = max(
-        (k for k in rows["mha_kv8"] if k.startswith("decode_tokens_per_s_batch")), key=lambda k: int(k[25:])
-    )
-    batch = key[len("decode_tokens_per_s_batch") :]
+    prefix = "decode_tokens_per_s_batch"
+    batch = max(int(k.removeprefix(prefix)) for k in rows["mha_kv8"] if k.startswith(prefix))
+    key = f"{prefix}{batch}"
     mha, mqa = rows["mha_kv8"][key], rows["mqa_kv1"][key]
     text = (
         f"speed at batch {batch}: {mha:.0f} tokens/s with 8 K/V heads, {mqa:.0f} with one "

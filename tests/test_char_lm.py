@@ -152,9 +152,9 @@ def test_generate_command_line(trained):
     ]
 
 
-@pytest.mark.slow
-def test_causal_mask_study_writes_its_results(text_file, tmp_path):
-    base = small_config(
+def study_config(text_file) -> dict:
+    """A few steps of the small config: enough for a study's files, not for learning."""
+    return small_config(
         text_file,
         train__steps=4,
         train__log_every=2,
@@ -162,6 +162,11 @@ def test_causal_mask_study_writes_its_results(text_file, tmp_path):
         eval__num_examples=8,
         eval__sample_length=8,
     ).to_dict()
+
+
+@pytest.mark.slow
+def test_causal_mask_study_writes_its_results(text_file, tmp_path):
+    base = study_config(text_file)
     results = lm_studies.causal_mask(base, tmp_path)
     record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies causal_mask")
     causal, unmasked = record["rows"]
@@ -179,14 +184,7 @@ def test_causal_mask_study_writes_its_results(text_file, tmp_path):
 
 @pytest.mark.slow
 def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
-    base = small_config(
-        text_file,
-        train__steps=4,
-        train__log_every=2,
-        train__checkpoint_every=4,
-        eval__num_examples=8,
-        eval__sample_length=8,
-    ).to_dict()
+    base = study_config(text_file)
     cells = [  # MQA and MLA; the cache sizes of the others are tests/test_lm.py's
         {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
         {"model.num_kv_heads": 4, "model.kv_latent_dim": 8},
