@@ -9,8 +9,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["qkv_jax", "qkv_jax.*", "experiments", "configs"]),
-    package_data={"qkv_jax": ["py.typed"]},
+    # Only the library: the launchers (experiments/), configs/, benchmarks/ and docs/ run from a
+    # checkout (`python -m experiments.train ...` from its root) and stay out of site-packages.
+    packages=find_packages(include=["qkv_jax", "qkv_jax.*"]),
+    package_data={"qkv_jax": ["py.typed", "training/explorer_assets/*"]},
     install_requires=[
         "jax>=0.4.35",
         "flax>=0.10",
@@ -22,10 +24,16 @@ setup(
         "orbax-checkpoint>=0.9",
         "matplotlib>=3.7",
         "tqdm>=4.60",
+        "tensorboard>=2.14",  # its event-file writer (no TensorFlow needed) and the viewer
     ],
     extras_require={
-        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "tensorboardX>=2.6", "ruff>=0.6", "mypy>=1.10"],
+        "test": [
+            "pytest>=7.4",
+            "pytest-xdist>=3.5",
+            "ruff>=0.6",
+            "mypy>=1.10",
+            "playwright>=1.40",
+        ],
         "parity": ["torch>=2.1"],
-        "tensorboard": ["tensorboard>=2.14"],  # the viewer; event files are written without it
     },
 )

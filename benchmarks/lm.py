@@ -49,7 +49,7 @@ def model_config(name: str) -> dict:
     config = char_lm.get_config()
     if name == "small_lm":
         config.task.seq_len = 128
-        config.model.max_len = 128
+        config.model.config.max_len = 128
         config.train.batch_size = 32
         config.eval.sample_length = 64
     return config.to_dict()
@@ -71,7 +71,7 @@ def recompute_generate(model, params, prompt, new_tokens: int):
     import jax.numpy as jnp
 
     batch, prompt_length = prompt.shape
-    buffer = jnp.zeros((batch, model.max_len), jnp.int32).at[:, :prompt_length].set(prompt)
+    buffer = jnp.zeros((batch, model.config.max_len), jnp.int32).at[:, :prompt_length].set(prompt)
 
     def step(buffer, position):
         logits = model.apply({"params": params}, buffer)  # (B, L, V)
@@ -88,11 +88,11 @@ def worker_decode() -> dict:
     import numpy as np
 
     from qkv_jax.lm import TransformerLM, generate
-    from qkv_jax.training.char_lm import make_model
+    from qkv_jax.training.transformer import make_model
 
     config = model_config("char_lm")
     model: TransformerLM = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.max_len), np.int32))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))["params"]
     recompute = jax.jit(recompute_generate, static_argnums=(0, 3))
     results = {}
     for batch in DECODE_BATCHES:
@@ -136,7 +136,7 @@ def worker_jax_train(name: str, steps: int) -> dict:
     import jax
 
     from qkv_jax.training import make_train_chunk
-    from qkv_jax.training.run import CPU_COMPILER_OPTIONS
+    from qkv_jax.training.compiled import CPU_COMPILER_OPTIONS
 
     config, setup, data_key, state = initial_training(name)
     tokens_per_step = config["train"]["batch_size"] * config["task"]["seq_len"]
@@ -213,7 +213,7 @@ def gpu_run(steps: int, dry_run: bool) -> None:
 
     from qkv_jax.lm import generate
     from qkv_jax.training import make_train_chunk
-    from qkv_jax.training.char_lm import make_model
+    from qkv_jax.training.transformer import make_model
 
     steps = 2 if dry_run else steps
     device = jax.devices()[0]
@@ -240,7 +240,7 @@ def gpu_run(steps: int, dry_run: bool) -> None:
         ratios[f"{name}_training_tokens_per_s"] = tokens / run_s
     config = model_config("char_lm")
     model = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.max_len), np.int32))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))["params"]
     new_tokens = 8 if dry_run else NEW_TOKENS
     for batch in DECODE_BATCHES:
         prompt = np.ones((batch, 1), np.int32)

@@ -34,6 +34,8 @@ grid (MHA, GQA, MQA and two MLA latents), trained through the sweep launcher:
 import ml_collections
 from ml_collections import config_dict
 
+from configs import common
+
 VARIANTS = ("default", "study")
 
 
@@ -42,39 +44,12 @@ def get_config(arg=None):
     if variant not in VARIANTS:
         raise ValueError(f"configs/char_lm.py:{variant}: unknown variant; choose one of {VARIANTS}")
     study = variant == "study"
-    config = ml_collections.ConfigDict()
-    # What this config is; a workdir holding another experiment's run is refused.
-    config.experiment = "char_lm"
-    # Seeds parameter init, training batches, evaluation windows and samples.
-    config.seed = 0
+    config = common.base("char_lm")
+    config.model = common.transformer(
+        num_layers=2, d_model=128, num_heads=8 if study else 4, max_len=128 if study else 256
+    )
 
-    config.model = ml_collections.ConfigDict()
-    # Transformer blocks.
-    config.model.num_layers = 2
-    # Residual stream width (token and position embeddings too).
-    config.model.d_model = 128
-    # Query heads; head depth is d_model // num_heads.
-    config.model.num_heads = 8 if study else 4
-    # Key/value heads, dividing num_heads (GQA; 1 = MQA); unset = num_heads (MHA).
-    config.model.num_kv_heads = config_dict.placeholder(int)
-    # MLA: per-token latent width the cache stores, K and V rebuilt from it; unset = off.
-    config.model.kv_latent_dim = config_dict.placeholder(int)
-    # dot_product_attention's path: reference, xla or chunked; unset = its dispatch rule.
-    config.model.attention_implementation = config_dict.placeholder(str)
-    # MLP hidden width; unset = 4 * d_model.
-    config.model.mlp_dim = config_dict.placeholder(int)
-    # Positions the model (and its decode cache) holds; generation needs prompt + new - 1 <= this.
-    config.model.max_len = 128 if study else 256
-    # Causal mask on; False trains a model that sees the characters it predicts.
-    config.model.causal = True
-    # Dropout on the residual branches and embeddings.
-    config.model.dropout_rate = 0.0
-    # Dropout on the attention weights.
-    config.model.attention_dropout_rate = 0.0
-
-    config.task = ml_collections.ConfigDict()
-    # The experiment (qkv_jax/training/run.py TASKS).
-    config.task.name = "char_lm"
+    config.task = common.task("qkv_jax.training.char_lm", "char_lm")
     # Characters per training window (the model predicts each one's successor).
     config.task.seq_len = 128 if study else 256
 
@@ -86,35 +61,14 @@ def get_config(arg=None):
     # Vocabulary: the most frequent training characters, id 0 for all others.
     config.data.max_vocab_size = 128
 
-    config.train = ml_collections.ConfigDict()
-    # Optimizer steps.
-    config.train.steps = 300 if study else 500
-    # Windows per step.
-    config.train.batch_size = 16
-    # Peak learning rate of the schedule.
-    config.train.learning_rate = 3e-3
-    # adam, adamw or sgd.
-    config.train.optimizer = "adamw"
-    # AdamW's decoupled weight decay.
-    config.train.weight_decay = 0.01
-    # Clip the global gradient norm to this.
-    config.train.grad_clip_norm = 1.0
-    # Linear warmup steps before the schedule.
-    config.train.warmup_steps = 50
-    # constant or cosine (decays to 0 at train.steps).
-    config.train.schedule = "cosine"
-    # Write a metrics.jsonl line every this many steps (steps per compiled call).
-    config.train.log_every = 50
-    # Save an orbax checkpoint every this many steps (and at the end).
-    config.train.checkpoint_every = 300 if study else 250
-    # Replace a workdir that holds a different config's run (old files are moved aside).
-    config.train.overwrite = False
-
-    config.mesh = ml_collections.ConfigDict()
-    # Devices the batch is split over (-1 = all devices not used by mesh.model).
-    config.mesh.data = -1
-    # Devices the attention heads and MLP hidden units are split over (divides num_heads).
-    config.mesh.model = 1
+    config.train = common.lm_train(
+        steps=300 if study else 500,
+        batch_size=16,
+        warmup_steps=50,
+        log_every=50,
+        checkpoint_every=300 if study else 250,
+    )
+    config.mesh = common.mesh()
 
     config.eval = ml_collections.ConfigDict()
     # Windows of task.seq_len characters for the train and validation losses.

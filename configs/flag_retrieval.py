@@ -30,6 +30,8 @@ Sweeps (`get_sweep(variant)` gives each variant's grid; see docs/experiments.md)
 
 import ml_collections
 
+from configs import common
+
 VARIANTS = ("learned_query", "static", "multihead", "two_flag", "thermostat")
 
 
@@ -37,17 +39,13 @@ def get_config(arg=None):
     variant = arg or "learned_query"
     if variant not in VARIANTS:
         raise ValueError(f"configs/flag_retrieval.py:{variant}: unknown variant; choose one of {VARIANTS}")
-    config = ml_collections.ConfigDict()
-    # What this config is; a workdir holding another experiment's run is refused.
-    config.experiment = "flag_retrieval"
-    # Seeds parameter init, training batches and evaluation examples.
-    config.seed = 0
+    config = common.base("flag_retrieval")
 
     config.model = ml_collections.ConfigDict()
     # learned_query (seed 000's module), static (no parameters) or multihead.
-    config.model.kind = "multihead" if variant in ("multihead", "two_flag") else "learned_query"
-    if variant == "static":
-        config.model.kind = "static"
+    config.model.kind = {"static": "static", "multihead": "multihead", "two_flag": "multihead"}.get(
+        variant, "learned_query"
+    )
     # Token width: content channels plus task.num_flags flag channels.
     config.model.d_model = 8
     # Total query/key width, split evenly over the heads.
@@ -62,37 +60,15 @@ def get_config(arg=None):
     # Divide logits by sqrt(head depth), seed 002's thermostat; False = unscaled.
     config.model.scaled = True
 
-    config.task = ml_collections.ConfigDict()
-    # The synthetic task (qkv_jax/tasks).
-    config.task.name = "flag_retrieval"
+    config.task = common.task("qkv_jax.training.flag_retrieval", "flag_retrieval")
     # Tokens per example.
     config.task.seq_len = 5
     # Flag channels; the target is the content at every flagged position.
     config.task.num_flags = 2 if variant == "two_flag" else 1
 
-    config.train = ml_collections.ConfigDict()
-    # Optimizer steps.
-    config.train.steps = 2000
-    # Examples per step.
-    config.train.batch_size = 32
-    # Adam's learning rate, as in the seed.
-    config.train.learning_rate = 0.01
-    # adam, adamw or sgd.
-    config.train.optimizer = "adam"
-    # Write a metrics.jsonl line every this many steps (steps per compiled call).
-    config.train.log_every = 100
-    # Save an orbax checkpoint every this many steps (and at the end).
-    config.train.checkpoint_every = 1000
-    # Replace a workdir that holds a different config's run (old files are moved aside).
-    config.train.overwrite = False
-    # Check every operation of the compiled step for nan and division by zero (slower).
-    config.train.checkify = False
-
-    config.mesh = ml_collections.ConfigDict()
-    # Devices the batch is split over (-1 = all devices not used by mesh.model).
-    config.mesh.data = -1
-    # Devices the attention heads are split over (must divide model.num_heads).
-    config.mesh.model = 1
+    # Adam at the seed's learning rate.
+    config.train = common.train(steps=2000, batch_size=32, learning_rate=0.01)
+    config.mesh = common.mesh()
 
     config.eval = ml_collections.ConfigDict()
     # Fresh examples for the final (and untrained) evaluation.

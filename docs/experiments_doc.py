@@ -34,7 +34,10 @@ def run(command: list[str]) -> None:
         [sys.executable, "-m", *command],
         cwd=ROOT,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
     )
 
 

@@ -45,7 +45,10 @@ def run_main_job(variant: str = "") -> tuple[str, pathlib.Path, tempfile.Tempora
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
     )
     shown = "runs/flag" + (f"_{variant}" if variant else "")
     return result.stdout.replace(str(workdir), shown).strip(), workdir, tmp

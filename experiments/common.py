@@ -1,41 +1,24 @@
-"""What every launcher shares: the allocator, clean command-line errors, the JAX cache.
+"""What every launcher shares: clean command-line errors, config files, devices, the JAX cache.
 
-Import this module before jax: `use_tcmalloc()` may re-execute the process.
+(The allocator re-exec happens once, in `experiments/__init__.py`.)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-TCMALLOC_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-    "/usr/lib/libtcmalloc_minimal.so.4",
-)
+from experiments.allocator import TCMALLOC_PATHS
+
+__all__ = ["TCMALLOC_PATHS", "fail", "parse_flags", "config_file_module", "run_main", "define_common_flags"]
+
 DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "qkv_jax" / "jax_compilation_cache"
-
-
-def use_tcmalloc() -> None:
-    """Re-executes the launcher with tcmalloc preloaded, when it is installed.
-
-    glibc returns large freed buffers to the kernel after every call, and JAX
-    then spends much of its CPU time on page faults; tcmalloc keeps them. Opt
-    out with QKV_JAX_TCMALLOC=0. Debian/Ubuntu: apt-get install libtcmalloc-minimal4.
-    """
-    if os.environ.get("QKV_JAX_TCMALLOC", "1") == "0" or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
-        return
-    library = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
-    if library is None or "jax" in sys.modules:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = f"{library} {env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else library
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -58,6 +41,14 @@ def _describe_parse_error(error: Exception, argv: list[str]) -> str:
     return text.strip("'\"")
 
 
+def _config_file_reason(text: str) -> str | None:
+    """The exception line of ml_collections' "Error whilst parsing config file:" + traceback, if any."""
+    if "Error whilst parsing config file" not in text:
+        return None
+    last = [line for line in text.splitlines() if line.strip()][-1].strip()
+    return re.sub(r"^\w+(Error|Exception): ", "", last)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing that turns every parse or config error into one line."""
     from absl import flags
@@ -69,13 +60,29 @@ def parse_flags(argv: list[str]) -> list[str]:
                 config = flags.FLAGS[name].value
                 config.to_dict()  # a config file that failed to load raises here
     except flags.Error as error:
-        fail(str(error).split("\n")[0], code=2)
+        reason = _config_file_reason(str(error))
+        fail(f"--config: {reason}" if reason else str(error).split("\n")[0], code=2)
     except Exception as error:  # noqa: BLE001 - any config-loading failure becomes one line
         fail(_describe_parse_error(error, argv), code=2)
     missing = [n for n in ("config", "workdir") if n in flags.FLAGS and flags.FLAGS[n].value is None]
     if missing:
         fail(f"--{missing[0]} is required", code=2)
     return remaining
+
+
+def config_file_module(flag_name: str = "config") -> tuple[ModuleType, str | None]:
+    """The config file of `--<flag_name>` as a module (for its `get_sweep`, say), and
+    the text after ':' in the flag (None without one)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    path, _, arg = config_flags.get_config_filename(flags.FLAGS[flag_name]).partition(":")
+    spec = importlib.util.spec_from_file_location(f"{flag_name}_file", path)
+    if spec is None or spec.loader is None:
+        fail(f"--{flag_name}={path}: not a Python file", code=2)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, arg or None
 
 
 def initialize_devices() -> None:
@@ -122,12 +129,18 @@ def _quiet_libraries() -> None:
     logging.getLogger("jax").setLevel(logging.WARNING)
 
 
-def run_main(main: Callable[[list[str]], Any]) -> None:
-    """`absl.app.run` with one-line errors for bad flags and configs."""
+def run_main(main: Callable[[list[str]], Any], positional: int = 0) -> None:
+    """`absl.app.run` with one-line errors for bad flags and configs, and for more than
+    `positional` arguments that are not flags."""
     from absl import app
 
+    def checked(argv: list[str]) -> Any:
+        if len(argv) - 1 > positional:
+            fail(f"unexpected arguments {argv[1 + positional :]}", code=2)
+        return main(argv)
+
     _quiet_libraries()
-    app.run(main, flags_parser=parse_flags)
+    app.run(checked, flags_parser=parse_flags)
 
 
 def define_common_flags() -> None:

@@ -7,11 +7,9 @@ Decodes with the KV cache; the prompt and the new characters must fit in the
 model's max_len positions.
 """
 
+from absl import flags
+
 from experiments import common
-
-common.use_tcmalloc()
-
-from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Workdir of a char_lm run (config.json, tokenizer.json, checkpoints/).")
@@ -25,8 +23,7 @@ common.define_common_flags()
 
 
 def main(argv):
-    if len(argv) > 1:
-        common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    del argv  # run_main refuses positional arguments
     if not FLAGS.prompt:
         common.fail("--prompt: must not be empty", code=2)
     import numpy as np

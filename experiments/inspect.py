@@ -7,11 +7,9 @@ What --input means depends on the experiment: the flag task takes a seed for
 a fresh example, a language model takes text. Writes attention_maps.png.
 """
 
+from absl import flags
+
 from experiments import common
-
-common.use_tcmalloc()
-
-from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A run's workdir.")
@@ -20,8 +18,7 @@ common.define_common_flags()
 
 
 def main(argv):
-    if len(argv) > 1:
-        common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    del argv  # run_main refuses positional arguments
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.training import ConfigError
     from qkv_jax.training.report import inspect_run

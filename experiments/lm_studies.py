@@ -17,16 +17,13 @@ results.md (a table) and PNG plots.
                decode tokens/s.
 """
 
+import pathlib
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
 from experiments import common
-
-common.use_tcmalloc()
-
-import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-
-from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 STUDIES = ("causal_mask", "kv_heads")  # qkv_jax.training.lm_studies.STUDIES, without importing jax yet
 FLAGS = flags.FLAGS
@@ -43,20 +40,15 @@ def main(argv):
         common.fail(f"give one study: {' or '.join(STUDIES)} (got {argv[1:]})", code=2)
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.training import ConfigError, lm_studies
-    from qkv_jax.training.run import to_dict
+    from qkv_jax.training.task import to_dict
 
     study, workdir = argv[1], pathlib.Path(FLAGS.workdir)
     base = to_dict(FLAGS.config)
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         if study == "kv_heads":
-            path, _, variant = config_flags.get_config_filename(FLAGS["config"]).partition(":")
-            spec = importlib.util.spec_from_file_location("study_config", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            results = lm_studies.kv_heads(
-                base, workdir, module.get_sweep(variant or None), list(range(FLAGS.seeds))
-            )
+            module, variant = common.config_file_module()
+            results = lm_studies.kv_heads(base, workdir, module.get_sweep(variant), list(range(FLAGS.seeds)))
         else:
             results = lm_studies.causal_mask(base, workdir)
     except ConfigError as error:
@@ -70,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    common.run_main(main, positional=1)

@@ -8,11 +8,9 @@ attention on the flagged position or, for LMs, distance, previous/first
 token and induction scores). A sweep: loss_curves.png and the table plots.
 """
 
+from absl import flags
+
 from experiments import common
-
-common.use_tcmalloc()
-
-from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A run's or a sweep's workdir.")
@@ -20,8 +18,7 @@ common.define_common_flags()
 
 
 def main(argv):
-    if len(argv) > 1:
-        common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    del argv  # run_main refuses positional arguments
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.training import ConfigError
     from qkv_jax.training.report import is_sweep, report_run, report_sweep

@@ -9,15 +9,12 @@ the grid. Re-running the same command skips finished cells; cells that fail
 the config check are reported as skipped with the reason.
 """
 
+import pathlib
+
+from absl import flags
+from ml_collections import config_flags
+
 from experiments import common
-
-common.use_tcmalloc()
-
-import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-
-from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -34,24 +31,14 @@ flags.DEFINE_string(
 common.define_common_flags()
 
 
-def config_module():
-    """The config file as a module, and the text after ':' in --config."""
-    path, _, arg = config_flags.get_config_filename(FLAGS["config"]).partition(":")
-    spec = importlib.util.spec_from_file_location("swept_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, arg or None
-
-
 def main(argv):
-    if len(argv) > 1:
-        common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    del argv  # run_main refuses positional arguments
     from qkv_jax.training import ConfigError
-    from qkv_jax.training.run import to_dict
     from qkv_jax.training.sweep import parse_sweep_arg, run_sweep
+    from qkv_jax.training.task import to_dict
 
     config = to_dict(FLAGS.config)
-    module, arg = config_module()
+    module, arg = common.config_file_module()
     try:
         if FLAGS.sweep:
             sweep = dict(parse_sweep_arg(text, config) for text in FLAGS.sweep)

@@ -9,12 +9,12 @@ simulates them on a CPU). Many processes: the same command on each host with
 --coordinator=HOST:PORT --num_processes=N --process_id=I.
 """
 
+import pathlib
+
+from absl import flags
+from ml_collections import config_flags
+
 from experiments import common
-
-common.use_tcmalloc()
-
-from absl import flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -45,13 +45,13 @@ def describe(summary: dict, workdir: str) -> str:
     for name, value in summary.items():
         if name.startswith("eval_") and isinstance(value, (int, float)):
             lines.append(f"  {name:26s} {value:10.4g} {untrained[name]:10.4g}")
-    lines.append(f"wrote {workdir}/: config.json metrics.jsonl summary.json checkpoints/ and pictures")
+    written = sorted(p.name + ("/" if p.is_dir() else "") for p in pathlib.Path(workdir).iterdir())
+    lines.append(f"wrote {workdir}/: {' '.join(written)}")
     return "\n".join(lines)
 
 
 def main(argv):
-    if len(argv) > 1:
-        common.fail(f"unexpected arguments {argv[1:]}", code=2)
+    del argv  # run_main refuses positional arguments
     common.initialize_devices()
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.training import CheckpointMismatchError, ConfigError, train_and_evaluate

@@ -1,5 +1,6 @@
 """A small causal language model: pre-LayerNorm transformer blocks, KV-cache sampling.
 
+  TransformerConfig every option of the two modules below, in one frozen dataclass.
   TransformerBlock  x + Dropout(MHA(LN(x))), then x + Dropout(MLP(LN(x))).
   TransformerLM     token + learned position embeddings, blocks, LN, vocabulary head.
   init_cache        the zeroed decode cache of a TransformerLM for a batch size.
@@ -14,6 +15,7 @@ room for `max_len` positions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -30,6 +32,7 @@ Array = jax.Array
 Dtype = Any
 
 __all__ = [
+    "TransformerConfig",
     "TransformerBlock",
     "TransformerLM",
     "init_cache",
@@ -43,64 +46,13 @@ __all__ = [
 embedding_init = nn.initializers.normal(stddev=0.02)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-LayerNorm transformer block on `[batch..., T, D]` (output the same shape).
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Every option of `TransformerBlock` and `TransformerLM`, declared once (as flax's lm1b does).
 
-    Attributes:
-      num_heads, num_kv_heads, kv_latent_dim: the attention's heads (see
-        `MultiHeadAttention`); head depth D // num_heads.
-      mlp_dim: hidden width of the GELU MLP; default 4 D.
-      causal: causal self-attention.
-      dropout_rate: dropout on both residual branches.
-      attention_dropout_rate: dropout on the attention weights.
-      sow_weights: sow the attention weights `[batch..., N, T, S]` into
-        `intermediates/attention/attention_weights`.
-      attention_implementation: `dot_product_attention`'s path (None: its
-        dispatch rule); see `MultiHeadAttention`.
-    """
-
-    num_heads: int
-    num_kv_heads: int | None = None
-    kv_latent_dim: int | None = None
-    mlp_dim: int | None = None
-    causal: bool = True
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
-    sow_weights: bool = False
-    attention_implementation: str | None = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool = True, decode: bool = False):
-        width = x.shape[-1]
-        norm = functools.partial(nn.LayerNorm, dtype=self.dtype, param_dtype=self.param_dtype)
-        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype)
-        h = norm(name="attention_norm")(x)
-        h = MultiHeadAttention(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            kv_latent_dim=self.kv_latent_dim,
-            is_causal=self.causal,
-            dropout_rate=self.attention_dropout_rate,
-            sow_weights=self.sow_weights,
-            attention_implementation=self.attention_implementation,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="attention",
-        )(h, deterministic=deterministic, decode=decode)  # (..., T, D)
-        x = x + nn.Dropout(self.dropout_rate)(h, deterministic)
-        h = norm(name="mlp_norm")(x)
-        h = nn.gelu(dense(self.mlp_dim or 4 * width, name="mlp_in")(h))  # (..., T, mlp_dim)
-        h = dense(width, name="mlp_out")(h)  # (..., T, D)
-        return x + nn.Dropout(self.dropout_rate)(h, deterministic)
-
-
-class TransformerLM(nn.Module):
-    """Next-token model: tokens `[batch..., T]` (int) -> logits `[batch..., T, vocab_size]` (f32).
-
-    Token embedding plus a learned position embedding `[max_len, d_model]`,
-    `num_layers` `TransformerBlock`s, a final LayerNorm and a bias-free head.
+    A new attention option is a field here and one argument in
+    `TransformerBlock`; the training tasks build this from a config's `model`
+    section by field name (`qkv_jax.training.transformer`).
 
     Attributes:
       vocab_size, num_layers, d_model: sizes; num_heads must divide d_model.
@@ -109,35 +61,36 @@ class TransformerLM(nn.Module):
       max_len: positions of the embedding table and of the decode cache.
       mlp_dim: MLP hidden width (default 4 d_model).
       causal: causal self-attention (False: every position sees every other).
-      sow_weights: every block sows its attention weights (see TransformerBlock).
-      attention_implementation: `dot_product_attention`'s path in every block
-        (None: its dispatch rule picks the fastest eligible one).
       dropout_rate, attention_dropout_rate: dropout on embeddings and residual
         branches, and on the attention weights, when not deterministic.
-
-    `__call__(tokens, deterministic=True, decode=False)`; with `decode` the
-    positions continue from the cache (`init_cache`, `generate`).
+      attention_implementation: `dot_product_attention`'s path in every block
+        (None: its dispatch rule picks the fastest eligible one).
+      sow_weights: every block sows its attention weights `[batch..., N, T, S]`
+        into `intermediates/block_i/attention/attention_weights`.
+      dtype: computation dtype (None: float32 for float32 parameters);
+        bfloat16 computes in bfloat16 while `param_dtype` keeps float32 weights.
+      param_dtype: dtype of the parameters.
     """
 
     vocab_size: int
-    num_layers: int
-    d_model: int
-    num_heads: int
+    num_layers: int = 2
+    d_model: int = 128
+    num_heads: int = 4
     num_kv_heads: int | None = None
-    max_len: int = 256
-    mlp_dim: int | None = None
     kv_latent_dim: int | None = None
+    mlp_dim: int | None = None
+    max_len: int = 256
     causal: bool = True
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
-    sow_weights: bool = False
     attention_implementation: str | None = None
+    sow_weights: bool = False
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
     def __post_init__(self):
         _check_positive(
-            "TransformerLM",
+            "TransformerConfig",
             vocab_size=self.vocab_size,
             num_layers=self.num_layers,
             d_model=self.d_model,
@@ -148,18 +101,78 @@ class TransformerLM(nn.Module):
             kv_latent_dim=self.kv_latent_dim,
         )
         if self.d_model % self.num_heads:
-            raise ValueError(f"TransformerLM: num_heads={self.num_heads} must divide d_model={self.d_model}")
+            raise ValueError(
+                f"TransformerConfig: num_heads={self.num_heads} must divide d_model={self.d_model}"
+            )
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"TransformerLM: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+                f"TransformerConfig: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
             )
         for name in ("dropout_rate", "attention_dropout_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"TransformerLM: {name} must be in [0, 1), got {getattr(self, name)!r}")
-        super().__post_init__()
+                raise ValueError(f"TransformerConfig: {name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        """A copy with `changes` (e.g. `causal=True`), checked again."""
+        return dataclasses.replace(self, **changes)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm transformer block on `[batch..., T, d_model]` (output the same shape).
+
+    x + Dropout(MHA(LN(x))), then x + Dropout(MLP(LN(x))), the MLP a GELU of
+    width `config.mlp_dim` (default 4 d_model); every option comes from
+    `config` (`TransformerConfig`).
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True, decode: bool = False):
+        config = self.config
+        width = x.shape[-1]
+        norm = functools.partial(nn.LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
+        dense = functools.partial(nn.Dense, dtype=config.dtype, param_dtype=config.param_dtype)
+        h = norm(name="attention_norm")(x)
+        h = MultiHeadAttention(
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            kv_latent_dim=config.kv_latent_dim,
+            is_causal=config.causal,
+            dropout_rate=config.attention_dropout_rate,
+            sow_weights=config.sow_weights,
+            attention_implementation=config.attention_implementation,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            name="attention",
+        )(h, deterministic=deterministic, decode=decode)  # (..., T, D)
+        x = x + nn.Dropout(config.dropout_rate)(h, deterministic)
+        h = norm(name="mlp_norm")(x)
+        h = nn.gelu(dense(config.mlp_dim or 4 * width, name="mlp_in")(h))  # (..., T, mlp_dim)
+        h = dense(width, name="mlp_out")(h)  # (..., T, D)
+        return x + nn.Dropout(config.dropout_rate)(h, deterministic)
+
+
+class TransformerLM(nn.Module):
+    """Next-token model: tokens `[batch..., T]` (int) -> logits `[batch..., T, vocab_size]` (f32).
+
+    Token embedding plus a learned position embedding `[max_len, d_model]`,
+    `num_layers` `TransformerBlock`s, a final LayerNorm and a bias-free head;
+    every option is a field of `config` (`TransformerConfig`).
+
+    `__call__(tokens, deterministic=True, decode=False)`; with `decode` the
+    positions continue from the cache (`init_cache`, `generate`).
+    """
+
+    config: TransformerConfig
+
+    def replace(self, **changes: Any) -> TransformerLM:
+        """The same model with `changes` to its config (e.g. `causal=True`); the parameters fit both."""
+        return self.clone(config=self.config.replace(**changes))
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True, decode: bool = False):
+        config = self.config
         if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim < 1:
             raise ValueError(
                 f"TransformerLM: tokens must be integers [batch..., T], got "
@@ -167,52 +180,35 @@ class TransformerLM(nn.Module):
             )
         length = tokens.shape[-1]
         if decode:
-            positions, _ = decode_positions(self, length, self.max_len)  # (T,)
-        elif length > self.max_len:
-            raise ValueError(f"TransformerLM: sequence length {length} exceeds max_len={self.max_len}")
+            positions, _ = decode_positions(self, length, config.max_len)  # (T,)
+        elif length > config.max_len:
+            raise ValueError(f"TransformerLM: sequence length {length} exceeds max_len={config.max_len}")
         else:
             positions = jnp.arange(length)  # (T,)
         token_embedding = nn.Embed(
-            self.vocab_size,
-            self.d_model,
+            config.vocab_size,
+            config.d_model,
             embedding_init=embedding_init,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
             name="token_embedding",
         )
         position_table = self.param(
-            "position_embedding", embedding_init, (self.max_len, self.d_model), self.param_dtype
+            "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
         )
         x = token_embedding(tokens) + jnp.take(position_table, positions, axis=0)  # (..., T, D)
-        x = nn.Dropout(self.dropout_rate)(x, deterministic)
-        for layer in range(self.num_layers):
-            x = TransformerBlock(
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                kv_latent_dim=self.kv_latent_dim,
-                mlp_dim=self.mlp_dim,
-                causal=self.causal,
-                dropout_rate=self.dropout_rate,
-                attention_dropout_rate=self.attention_dropout_rate,
-                sow_weights=self.sow_weights,
-                attention_implementation=self.attention_implementation,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                name=f"block_{layer}",
-            )(x, deterministic, decode)  # (..., T, D)
-        x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="final_norm")(x)
+        x = nn.Dropout(config.dropout_rate)(x, deterministic)
+        for layer in range(config.num_layers):
+            x = TransformerBlock(config, name=f"block_{layer}")(x, deterministic, decode)  # (..., T, D)
+        x = nn.LayerNorm(dtype=config.dtype, param_dtype=config.param_dtype, name="final_norm")(x)
         logits = nn.Dense(
-            self.vocab_size,
-            use_bias=False,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="head",
+            config.vocab_size, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, name="head"
         )(x)  # (..., T, V)
         return logits.astype(jnp.float32)
 
 
 def init_cache(model: TransformerLM, batch_size: int) -> dict:
-    """The decode cache for `batch_size` sequences of up to `model.max_len` tokens, zeroed.
+    """The decode cache for `batch_size` sequences of up to `model.config.max_len` tokens, zeroed.
 
     Built from the shapes `model.init(..., decode=True)` would create, without
     computing anything: the same pytree as its "cache" collection, per layer
@@ -220,7 +216,7 @@ def init_cache(model: TransformerLM, batch_size: int) -> dict:
     `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`) and
     the int32 scalar `index` of positions filled.
     """
-    tokens = jnp.zeros((batch_size, model.max_len), jnp.int32)
+    tokens = jnp.zeros((batch_size, model.config.max_len), jnp.int32)
     shapes = jax.eval_shape(functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens)[
         "cache"
     ]
@@ -235,7 +231,7 @@ def kv_cache_bytes_per_token(model: TransformerLM) -> int:
         for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
         if path[-1].key.startswith("cached_")  # not the position counters
     )
-    return total // model.max_len
+    return total // model.config.max_len
 
 
 def sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | None) -> Array:
@@ -295,7 +291,7 @@ def check_generate_args(
 ) -> None:
     """`generate`'s checks, host-side only: ValueError naming the bad value.
 
-    The cache holds `model.max_len` positions and the loop feeds P +
+    The cache holds `model.config.max_len` positions and the loop feeds P +
     max_new_tokens - 1 of them (all but the last sampled token).
     """
     if len(prompt_shape) != 2 or prompt_shape[1] == 0:
@@ -303,15 +299,15 @@ def check_generate_args(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
     needed = prompt_shape[1] + max_new_tokens - 1
-    if needed > model.max_len:
+    if needed > model.config.max_len:
         raise ValueError(
             f"generate: a prompt of {prompt_shape[1]} tokens and max_new_tokens={max_new_tokens} "
-            f"decode {needed} positions, past the model's max_len={model.max_len}"
+            f"decode {needed} positions, past the model's max_len={model.config.max_len}"
         )
-    if not model.causal:
-        raise ValueError("generate: the model has causal=False; decode with model.clone(causal=True)")
-    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.vocab_size):
-        raise ValueError(f"generate: top_k must be in [1, {model.vocab_size}] or None, got {top_k!r}")
+    if not model.config.causal:
+        raise ValueError("generate: the model has causal=False; decode with model.replace(causal=True)")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
+        raise ValueError(f"generate: top_k must be in [1, {model.config.vocab_size}] or None, got {top_k!r}")
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"generate: temperature must be finite and >= 0, got {temperature!r}")
 
@@ -332,7 +328,7 @@ def generate(
     keeps the k most likely tokens. Compiled once per (model, B, P,
     max_new_tokens, top_k): new prompts, rngs and temperatures reuse it.
     Lengths are static, so `check_generate_args` checks them before anything
-    runs (decoding past `model.max_len` is a ValueError).
+    runs (decoding past `model.config.max_len` is a ValueError).
     """
     prompt = jnp.asarray(prompt)
     if not jnp.issubdtype(prompt.dtype, jnp.integer):

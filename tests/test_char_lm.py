@@ -1,7 +1,6 @@
 """The char_lm experiment: config checks, and a shrunken train + generate run end to end."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from launch import launcher_env
 
 from configs import char_lm as char_lm_config
 from qkv_jax.lm import generate
@@ -126,7 +126,7 @@ def run_generate(*args):
     return subprocess.run(  # noqa: PLW1510 - the tests read returncode
         [sys.executable, "-m", "experiments.generate", "--compilation_cache=", *args],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=launcher_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -22,7 +22,7 @@ VARIANTS = {
 
 def make_model(**overrides):
     fields = dict(vocab_size=VOCAB, num_layers=LAYERS, d_model=D, num_heads=N, max_len=MAX_LEN)
-    return lm.TransformerLM(**{**fields, **overrides})
+    return lm.TransformerLM(lm.TransformerConfig(**{**fields, **overrides}))
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -96,7 +96,7 @@ def test_causal_receptive_field_through_gradients():
     future = np.triu(np.ones((MAX_LEN, MAX_LEN), bool), k=1)
     assert (field[future] == 0).all()  # exactly: nothing flows back from the future
     assert (field[~future] > 1e-6).all()  # every past position (and the current one) matters
-    unmasked = receptive_field(causal.clone(causal=False), params)
+    unmasked = receptive_field(causal.replace(causal=False), params)
     assert (unmasked > 1e-6).all()
 
 
@@ -220,7 +220,7 @@ def test_bad_model_arguments(overrides, message):
 
 def test_transformer_block_is_pre_layernorm_residual():
     """With both branches' output projections zeroed, a block is the identity."""
-    block = lm.TransformerBlock(num_heads=2)
+    block = lm.TransformerBlock(lm.TransformerConfig(vocab_size=VOCAB, d_model=8, num_heads=2))
     x = jax.random.normal(jax.random.PRNGKey(6), (2, 5, 8))
     params = jax.jit(block.init)(jax.random.PRNGKey(7), x)["params"]
     apply = jax.jit(block.apply)

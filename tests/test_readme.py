@@ -8,7 +8,7 @@ and tools/fresh-clone-check run, and the test command is this suite itself,
 so only the main job's training command is run from them.
 """
 
-import os
+import json
 import pathlib
 import re
 import socket
@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from launch import launcher_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -47,7 +48,7 @@ def test_python_blocks(index):
 
 @pytest.mark.slow
 def test_bash_blocks_in_order(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = launcher_env()
     port = str(free_port())
     ran = 0
     for body in blocks("bash"):
@@ -75,7 +76,7 @@ def test_bash_blocks_in_order(tmp_path):
 
 
 def test_text_blocks_show_what_commands_print(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = launcher_env()
     checked = 0
     for body in blocks("text"):
         if not body.startswith("$ "):
@@ -94,3 +95,38 @@ def test_text_blocks_show_what_commands_print(tmp_path):
             assert shown == expected, command
             checked += 1
     assert checked >= 2
+
+
+def file_blocks():
+    """{file name: code} of the README's python blocks that open with `# <file>.py`."""
+    named = {}
+    for body in blocks("python"):
+        first = body.splitlines()[0]
+        if first.startswith("# ") and first.endswith(".py"):
+            named[first[2:]] = body
+    return named
+
+
+@pytest.mark.slow
+def test_own_task_from_the_readme_trains_from_outside_the_repository(tmp_path):
+    """The README's task module, in a package of its own on PYTHONPATH, and its config file
+    train through the launcher with nothing in qkv_jax edited."""
+    files = file_blocks()
+    assert set(files) == {"my_tasks/lookup.py", "my_lookup.py"}
+    for name, code in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(code)
+    workdir = tmp_path / "runs" / "lookup"
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--config", str(tmp_path / "my_lookup.py")]
+        + ["--workdir", str(workdir), "--config.train.steps=300", "--compilation_cache="],
+        cwd=ROOT,
+        env=launcher_env(PYTHONPATH=f"{ROOT}:{tmp_path}"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["experiment"] == "lookup" and summary["steps"] == 300
+    assert summary["eval_mse"] < 0.5 * summary["untrained"]["eval_mse"]

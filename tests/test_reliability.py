@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reliability_catalogue
+from launch import launcher_env
 
 from configs import flag_retrieval
 from qkv_jax.training import (
@@ -270,7 +271,7 @@ def launch(workdir, cache, log_path, extra):
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=launcher_env(),
     )
     return process, log
 

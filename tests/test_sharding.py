@@ -1,7 +1,6 @@
 """Data- and head-parallel training on simulated devices and processes equals one device."""
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from launch import launcher_env
 
 from configs import flag_retrieval
 from qkv_jax.training import ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
@@ -18,7 +18,7 @@ from qkv_jax.training.sharding import make_mesh, mesh_shape, partition_spec, sta
 from qkv_jax.training.workdir import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+ENV = launcher_env()
 OVERRIDES = {
     "model.num_heads": 4,
     "train.steps": 20,

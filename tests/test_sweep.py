@@ -9,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from launch import launcher_env
 
 from configs import flag_retrieval
 from qkv_jax.training import train_and_evaluate
@@ -117,9 +118,7 @@ def test_sweep_command_line(tmp_path):
         "--config.eval.num_examples=16",
         "--compilation_cache=",
     ]
-    result = subprocess.run(
-        args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT)
-    )
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launcher_env())
     assert result.returncode == 0, result.stderr
     assert "1 of 2 cells done, 1 skipped" in result.stdout
     bad = subprocess.run(
@@ -128,7 +127,7 @@ def test_sweep_command_line(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT),
+        env=launcher_env(),
     )
     assert bad.returncode != 0
     assert [line for line in bad.stderr.splitlines() if line.strip()] == [

@@ -1,48 +1,20 @@
-"""TensorBoard event files: written by every run, readable by TensorBoard's own protocol buffers.
-
-The writer encodes the records itself (qkv_jax.training.tensorboard); here they
-are decoded with tensorboardX's generated `Event` class and checked against its
-CRC-32C, so a framing or encoding slip fails.
-"""
+"""TensorBoard event files: written by every run, read back by TensorBoard's own loader."""
 
 import json
-import struct
 
-import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from qkv_jax.training import tensorboard
 from qkv_jax.training.workdir import MetricsWriter
 
-event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
-tbx_crc = pytest.importorskip("tensorboardX.crc32c")
-
 
 def read_events(path):
-    """The `Event`s of one file, checking each record's two masked CRCs."""
-
-    def masked(data):
-        crc = tbx_crc.crc32c(data) & 0xFFFFFFFF
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    data, events, offset = path.read_bytes(), [], 0
-    while offset < len(data):
-        header = data[offset : offset + 8]
-        (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[offset + 8 : offset + 12])[0] == masked(header)
-        body = data[offset + 12 : offset + 12 + length]
-        assert struct.unpack("<I", data[offset + 12 + length : offset + 16 + length])[0] == masked(body)
-        events.append(event_pb2.Event.FromString(body))
-        offset += 16 + length
-    return events
+    """Every `Event` of one file as stored, through TensorBoard's reader (which checks the CRCs)."""
+    return list(LegacyEventFileLoader(str(path)).Load())
 
 
-def test_crc32c_matches_the_reference_values():
-    assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    for data in (b"", b"a", bytes(range(256)) * 3):
-        assert tensorboard.crc32c(data) == tbx_crc.crc32c(data) & 0xFFFFFFFF
-
-
-def test_event_file_decodes_with_tensorboards_protos(tmp_path):
+def test_event_file_reads_back_with_tensorboard(tmp_path):
     writer = tensorboard.EventWriter(tmp_path, purge_step=300)
     writer.add_scalar("train/loss", 0.125, 7)
     writer.add_scalar("eval/accuracy", 1.0, 2**40)  # a multi-byte varint step
@@ -70,3 +42,5 @@ def test_metrics_writer_mirrors_the_jsonl_into_tensorboard(tmp_path):
     (path,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     scalars = [(e.step, v.tag, v.simple_value) for e in read_events(path) for v in e.summary.value]
     assert scalars == [(0, "train/loss", 2.5), (10, "train/loss", 0.5), (10, "eval/accuracy", 0.75)]
+    shown = EventAccumulator(str(tmp_path / "tensorboard")).Reload()  # what the TensorBoard viewer reads
+    assert [(s.step, s.value) for s in shown.Scalars("train/loss")] == [(0, 2.5), (10, 0.5)]

@@ -1,4 +1,4 @@
-"""The character-level language model as a `Setup`: config -> corpus, model, pure functions.
+"""The character-level language model as a task: config -> corpus, model, pure functions.
 
 Metrics (nats and bits per character):
   train_loss / train_bits_per_char   the training objective, on fresh training windows;
@@ -6,25 +6,26 @@ Metrics (nats and bits per character):
                                      causal mask: honest even for a model trained without it;
   val_unmasked_bits_per_char         (model.causal=False only) the validation windows as the
                                      model was trained, seeing the characters it predicts;
-  unigram_bits_per_char              the validation text under the training unigram distribution.
+  unigram_bits_per_char              the validation text under the training unigram distribution;
+  head_* [layer, head]               `qkv_jax.diagnostics` of validation windows, and
+                                     head_induction on a repeated random sequence.
 The report writes `tokenizer.json` and `samples.txt` (generated from
 `eval.sample_prompt` before and after training) into the workdir.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from qkv_jax import text
-from qkv_jax.attention import IMPLEMENTATIONS
 from qkv_jax.diagnostics import (
     collect_attention_weights,
     head_diagnostics,
@@ -33,19 +34,25 @@ from qkv_jax.diagnostics import (
 )
 from qkv_jax.lm import TransformerLM, sample_tokens
 from qkv_jax.training import validate
-from qkv_jax.training.checkpoints import Checkpoints
-from qkv_jax.training.loop import Setup, TrainState, make_optimizer, validate_train_config
+from qkv_jax.training.checkpoints import load_train_state
+from qkv_jax.training.loop import TrainState, make_optimizer, validate_train_config
+from qkv_jax.training.task import Setup
+from qkv_jax.training.transformer import (
+    cross_entropy,
+    init_params,
+    make_model,
+    training_logits,
+    validate_model_config,
+)
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
     "TOKENIZER_FILE",
     "SAMPLES_FILE",
+    "CharLM",
     "build",
     "validate_config",
-    "validate_model_config",
-    "make_model",
     "load_corpus",
-    "cross_entropy",
     "read_run",
     "restore_params",
 ]
@@ -54,34 +61,11 @@ TOKENIZER_FILE = "tokenizer.json"
 SAMPLES_FILE = "samples.txt"
 NATS_PER_BIT = math.log(2.0)
 DIAGNOSTIC_EXAMPLES = 16  # validation windows (and repeated sequences) for the head diagnostics
-
-
-def validate_model_config(config: Any, seq_len: int, source: str) -> None:
-    """model.* of every TransformerLM experiment; `seq_len`, the training length (`source`
-    says where it comes from, e.g. 'task.seq_len'), must fit model.max_len."""
-    validate.require_positive_int(
-        config, "model.num_layers", "model.d_model", "model.num_heads", "model.max_len"
-    )
-    validate.require_fraction(config, "model.dropout_rate", "model.attention_dropout_rate")
-    validate.require_bool(config, "model.causal")
-    model = config["model"]
-    for field in ("num_kv_heads", "kv_latent_dim", "mlp_dim"):
-        if model[field] is not None:
-            validate.require_positive_int(config, f"model.{field}")
-    validate.require_divides(config, "model.num_heads", "model.d_model")
-    if model.get("attention_implementation") is not None:
-        validate.require_choice(config, "model.attention_implementation", IMPLEMENTATIONS)
-    if model["num_kv_heads"] is not None:
-        validate.require_divides(config, "model.num_kv_heads", "model.num_heads")
-    if seq_len > model["max_len"]:
-        raise ConfigError(
-            f"model.max_len={model['max_len']}: shorter than the training sequences ({source}={seq_len})"
-        )
+DEFAULT_INSPECT_TEXT = "def forward(self, x):\n    return self.scale * x + self.bias"
 
 
 def validate_config(config: Any) -> None:
     validate_train_config(config)
-    validate.require_choice(config, "train.schedule", ("constant", "cosine"))
     validate.require_positive_int(config, "task.seq_len")
     validate_model_config(config, config["task"]["seq_len"], "task.seq_len")
     data, evaluation = config["data"], config["eval"]
@@ -106,28 +90,6 @@ def validate_config(config: Any) -> None:
         )
 
 
-def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerLM:
-    """The TransformerLM a config's `model` section describes (`overrides`: e.g. causal=True)."""
-    fields = {
-        name: model_config[name]
-        for name in (
-            "num_layers",
-            "d_model",
-            "num_heads",
-            "num_kv_heads",
-            "max_len",
-            "mlp_dim",
-            "kv_latent_dim",
-            "causal",
-            "dropout_rate",
-            "attention_dropout_rate",
-            "attention_implementation",
-        )
-        if name in model_config  # configs written before the field existed
-    }
-    return TransformerLM(vocab_size=vocab_size, **{**fields, **overrides})
-
-
 def load_corpus(data_config: dict) -> tuple[text.CharTokenizer, np.ndarray, np.ndarray]:
     """(tokenizer, training ids, validation ids) for `data.path` or the standard library.
 
@@ -140,11 +102,6 @@ def load_corpus(data_config: dict) -> tuple[text.CharTokenizer, np.ndarray, np.n
     return tokenizer, tokenizer.encode(train), tokenizer.encode(validation)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats: logits `[..., T, V]`, targets `[..., T]`."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
 def _check_corpus(config: dict, train_ids: np.ndarray, validation_ids: np.ndarray) -> None:
     window = config["task"]["seq_len"] + 1
     for name, ids in (("training", train_ids), ("validation", validation_ids)):
@@ -155,116 +112,128 @@ def _check_corpus(config: dict, train_ids: np.ndarray, validation_ids: np.ndarra
             )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
+class CharLM:
+    """The char LM's pure functions (`Setup`'s fields are its bound methods).
+
+    `model` trains; `honest`, the same parameters with the causal mask, is how
+    validation loss and samples are computed even for a model trained without it.
+    """
+
+    model: TransformerLM
+    tokenizer: text.CharTokenizer
+    seq_len: int
+    batch_size: int
+    evaluation: dict
+
+    @property
+    def honest(self) -> TransformerLM:
+        return self.model.replace(causal=True)
+
+    def init(self, key: jax.Array) -> Any:
+        return init_params(self.model, self.seq_len, key)
+
+    def windows(self, key: jax.Array, tokens: jax.Array, batch_size: int) -> dict:
+        chunk = text.random_windows(key, tokens, batch_size, self.seq_len + 1)  # (B, T + 1)
+        return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}  # (B, T) each
+
+    def sample_batch(self, key: jax.Array, data: dict) -> dict:
+        return self.windows(key, data["train"], self.batch_size)
+
+    def loss(self, params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        logits = training_logits(self.model, params, batch["inputs"], rng)  # (B, T, V)
+        return cross_entropy(logits, batch["targets"]), {}
+
+    def evaluate(self, params: Any, key: jax.Array, data: dict) -> tuple[dict, dict]:
+        train_key, validation_key, sample_key = jax.random.split(key, 3)
+        size = self.evaluation["num_examples"]
+        train_batch = self.windows(train_key, data["train"], size)
+        validation_batch = self.windows(validation_key, data["validation"], size)
+
+        def mean_loss(model: TransformerLM, batch: dict) -> jax.Array:
+            logits = jnp.asarray(model.apply({"params": params}, batch["inputs"]))  # (B, T, V)
+            return cross_entropy(logits, batch["targets"])
+
+        metrics = {"train_loss": mean_loss(self.model, train_batch)}
+        metrics["val_loss"] = mean_loss(self.honest, validation_batch)
+        if not self.model.config.causal:
+            metrics["val_unmasked_loss"] = mean_loss(self.model, validation_batch)
+        metrics.update(
+            {n.replace("loss", "bits_per_char"): v / NATS_PER_BIT for n, v in list(metrics.items())}
+        )
+        metrics["unigram_bits_per_char"] = data["unigram_bits_per_char"]
+        metrics.update(self.head_metrics(params, validation_batch["inputs"], sample_key))
+        return metrics, {"samples": self.samples(params, sample_key)}
+
+    def samples(self, params: Any, key: jax.Array) -> jax.Array:
+        """`[num_samples, sample_length]` tokens generated after `eval.sample_prompt`."""
+        prompt = self.tokenizer.encode(self.evaluation["sample_prompt"])
+        prompts = jnp.tile(jnp.asarray(prompt), (self.evaluation["num_samples"], 1))
+        temperature = jnp.float32(self.evaluation["temperature"])
+        length = self.evaluation["sample_length"]
+        return sample_tokens(
+            self.honest, params, prompts, key, temperature, max_new_tokens=length, top_k=None
+        )
+
+    def layer_weights(self, params: Any, tokens: jax.Array) -> list[jax.Array]:
+        """[attention weights (B, N, T, T) of block 0, block 1, ...] of the causal model."""
+        probe = self.model.replace(causal=True, sow_weights=True)
+        _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
+        weights = collect_attention_weights(state["intermediates"])
+        return [weights[f"block_{layer}/attention"] for layer in range(self.model.config.num_layers)]
+
+    def head_metrics(self, params: Any, tokens: jax.Array, key: jax.Array) -> dict:
+        """Per layer and head ([L, N] each) on validation text, and induction scores."""
+        stats = [head_diagnostics(w) for w in self.layer_weights(params, tokens[:DIAGNOSTIC_EXAMPLES])]
+        repeat = self.seq_len // 2  # induction: a random sequence of this length, then again
+        vocab_size = self.tokenizer.vocab_size
+        repeated = repeated_sequence(key, DIAGNOSTIC_EXAMPLES, repeat, vocab_size)
+        metrics = {f"head_{name}": jnp.stack([s[name] for s in stats]) for name in stats[0]}
+        metrics["head_induction"] = jnp.stack(
+            [induction_scores(w, repeat) for w in self.layer_weights(params, repeated)]
+        )
+        return metrics
+
+    def inspect(self, params: Any, text_input: str | None) -> tuple[dict, list[str], list[str]]:
+        """Attention maps of every block on `text_input` (default: a line of Python)."""
+        shown = (text_input or DEFAULT_INSPECT_TEXT)[: self.model.config.max_len]
+        tokens = jnp.asarray(self.tokenizer.encode(shown))[None, :]  # (1, T)
+        weights = jax.jit(self.layer_weights)(params, tokens)
+        labels = [repr(c)[1:-1] for c in shown]
+        return {f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels
+
+    def report(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
+        """tokenizer.json (before training) and the samples, into samples.txt."""
+        workdir = pathlib.Path(workdir)
+        if stage == "before":
+            self.tokenizer.save(workdir / TOKENIZER_FILE)
+        prompt = self.evaluation["sample_prompt"]
+        texts = [prompt + self.tokenizer.decode(row) for row in examples["samples"]]
+        heading = {"before": "untrained", "after": "trained"}[stage]
+        with open(workdir / SAMPLES_FILE, "w" if stage == "before" else "a") as f:
+            f.write(f"#### {heading} model, temperature {self.evaluation['temperature']}\n")
+            f.write("".join(f"--- sample {i}\n{sample}\n" for i, sample in enumerate(texts)))
+        return {f"samples_{stage}": texts}
+
+
 def build(config: Any) -> Setup:
     validate_config(config)
     tokenizer, train_ids, validation_ids = load_corpus(config["data"])
     _check_corpus(config, train_ids, validation_ids)
-    model = make_model(config["model"], tokenizer.vocab_size)
-    honest = model.clone(causal=True)  # the same parameters, seeing only the past
-    seq_len, evaluation = config["task"]["seq_len"], config["eval"]
-    prompt = np.tile(tokenizer.encode(evaluation["sample_prompt"]), (evaluation["num_samples"], 1))
+    task = CharLM(
+        model=make_model(config["model"], tokenizer.vocab_size),
+        tokenizer=tokenizer,
+        seq_len=config["task"]["seq_len"],
+        batch_size=config["train"]["batch_size"],
+        evaluation=dict(config["eval"]),
+    )
+    unigram = text.unigram_bits_per_char(train_ids, validation_ids, tokenizer.vocab_size)
     data = {
         "train": jnp.asarray(train_ids),
         "validation": jnp.asarray(validation_ids),
-        "unigram_bits_per_char": jnp.float32(
-            text.unigram_bits_per_char(train_ids, validation_ids, tokenizer.vocab_size)
-        ),
+        "unigram_bits_per_char": jnp.float32(unigram),
     }
-
-    def init(key):
-        return model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
-
-    def windows(key, tokens, batch_size):
-        chunk = text.random_windows(key, tokens, batch_size, seq_len + 1)  # (B, T + 1)
-        return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}  # (B, T) each
-
-    def loss(params, batch, rng):
-        logits = cast(
-            jax.Array,
-            model.apply({"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng}),
-        )  # (B, T, V)
-        return cross_entropy(logits, batch["targets"]), {}
-
-    def mean_loss(forward, params, batch):
-        return cross_entropy(forward({"params": params}, batch["inputs"]), batch["targets"])
-
-    def evaluate(params, key, data):
-        train_key, validation_key, sample_key = jax.random.split(key, 3)
-        size = evaluation["num_examples"]
-        train_batch = windows(train_key, data["train"], size)
-        validation_batch = windows(validation_key, data["validation"], size)
-        metrics = {
-            "train_loss": mean_loss(model.apply, params, train_batch),
-            "val_loss": mean_loss(honest.apply, params, validation_batch),
-        }
-        if not model.causal:
-            metrics["val_unmasked_loss"] = mean_loss(model.apply, params, validation_batch)
-        metrics.update(
-            {
-                name.replace("loss", "bits_per_char"): value / NATS_PER_BIT
-                for name, value in list(metrics.items())
-            }
-        )
-        metrics["unigram_bits_per_char"] = data["unigram_bits_per_char"]
-        metrics.update(head_metrics(params, validation_batch["inputs"], sample_key))
-        samples = sample_tokens(
-            honest,
-            params,
-            jnp.asarray(prompt),
-            sample_key,
-            jnp.float32(evaluation["temperature"]),
-            max_new_tokens=evaluation["sample_length"],
-            top_k=None,
-        )  # (num_samples, sample_length)
-        return metrics, {"samples": samples}
-
-    probe = honest.clone(sow_weights=True)
-    repeat = seq_len // 2  # induction: a random sequence of this length, then again
-
-    def layer_weights(params, tokens):
-        """[attention weights (B, N, T, T) of block 0, block 1, ...] of the causal model."""
-        _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
-        weights = collect_attention_weights(state["intermediates"])
-        return [weights[name] for name in sorted(weights, key=lambda n: int(n.split("/")[0].split("_")[1]))]
-
-    def head_metrics(params, tokens, key):
-        """Per layer and head ([L, N] each) on validation text, and induction scores."""
-        stats = [head_diagnostics(w) for w in layer_weights(params, tokens[:DIAGNOSTIC_EXAMPLES])]
-        repeated = repeated_sequence(key, DIAGNOSTIC_EXAMPLES, repeat, tokenizer.vocab_size)
-        induction = [induction_scores(w, repeat) for w in layer_weights(params, repeated)]
-        metrics = {f"head_{name}": jnp.stack([s[name] for s in stats]) for name in stats[0]}
-        metrics["head_induction"] = jnp.stack(induction)
-        return metrics
-
-    def inspect(params, text_input):
-        """Attention maps of every block on `text_input` (default: a line of Python)."""
-        shown = text_input or "def forward(self, x):\n    return self.scale * x + self.bias"
-        tokens = jnp.asarray(tokenizer.encode(shown[: model.max_len]))[None, :]  # (1, T)
-        weights = jax.jit(layer_weights)(params, tokens)
-        labels = [repr(c)[1:-1] for c in shown[: model.max_len]]
-        return {f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels
-
-    def report(workdir, stage, examples):
-        workdir = pathlib.Path(workdir)
-        if stage == "before":
-            tokenizer.save(workdir / TOKENIZER_FILE)
-        texts = [evaluation["sample_prompt"] + tokenizer.decode(row) for row in examples["samples"]]
-        heading = {"before": "untrained", "after": "trained"}[stage]
-        with open(workdir / SAMPLES_FILE, "w" if stage == "before" else "a") as f:
-            f.write(f"#### {heading} model, temperature {evaluation['temperature']}\n")
-            f.write("".join(f"--- sample {i}\n{sample}\n" for i, sample in enumerate(texts)))
-        return {f"samples_{stage}": texts}
-
-    return Setup(
-        init=init,
-        sample_batch=lambda key, data: windows(key, data["train"], config["train"]["batch_size"]),
-        loss=loss,
-        evaluate=evaluate,
-        apply=model.apply,
-        report=report,
-        data=data,
-        inspect=inspect,
-    )
+    return Setup.from_methods(task, model=task.model, data=data, outputs=(TOKENIZER_FILE, SAMPLES_FILE))
 
 
 def read_run(workdir: str | pathlib.Path) -> tuple[dict, text.CharTokenizer, TransformerLM]:
@@ -280,26 +249,12 @@ def read_run(workdir: str | pathlib.Path) -> tuple[dict, text.CharTokenizer, Tra
 
 
 def restore_params(workdir: str | pathlib.Path, config: dict, model: TransformerLM) -> tuple[Any, int]:
-    """(params, step) of the newest usable checkpoint in `workdir`/checkpoints.
-
-    ValueError when there is none.
-    """
-    directory = pathlib.Path(workdir) / "checkpoints"
-    seq_len = config["task"]["seq_len"]
-
-    def abstract_state():
-        params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
-        state = TrainState.create(apply_fn=model.apply, params=params, tx=make_optimizer(config["train"]))
-        return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-
-    if not directory.is_dir():
-        raise ValueError(f"workdir={str(workdir)!r}: no checkpoints/ yet")
-    checkpoints = Checkpoints(directory)
-    try:
-        restored = checkpoints.restore_latest(jax.eval_shape(abstract_state))
-    finally:
-        checkpoints.close()
-    if restored is None:
-        raise ValueError(f"workdir={str(workdir)!r}: no usable checkpoint in checkpoints/")
-    step, state = restored
-    return state["params"], step
+    """(params, step) of the newest usable checkpoint in `workdir`/checkpoints, without
+    reading the corpus. ValueError when there is none."""
+    template = TrainState.create(
+        apply_fn=model.apply,
+        params=init_params(model, config["task"]["seq_len"], jax.random.PRNGKey(0)),
+        tx=make_optimizer(config["train"]),
+    )
+    step, state = load_train_state(workdir, template)
+    return state.params, step

@@ -1,6 +1,7 @@
 """Orbax checkpoints that are verified on restore.
 
-Each checkpoint holds the train state (`step`, `params`, `opt_state`) and a
+Each checkpoint holds the train state (`checkpoint_tree`: `step`, `params`,
+`opt_state`; `restore_train_state` puts them back into a TrainState) and a
 small JSON record with the shape, dtype and a SHA-256 digest of every leaf.
 On restore the record is checked against the model being restored into (a
 shape or dtype change is an error, where orbax alone would convert silently)
@@ -26,11 +27,24 @@ import orbax.checkpoint as ocp
 
 from qkv_jax.training.sharding import gather
 
-__all__ = ["CheckpointMismatchError", "CheckpointWarning", "Checkpoints", "tree_digest"]
+__all__ = [
+    "CheckpointMismatchError",
+    "CheckpointWarning",
+    "Checkpoints",
+    "NoCheckpointError",
+    "checkpoint_tree",
+    "load_train_state",
+    "restore_train_state",
+    "tree_digest",
+]
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped because it could not be read or verified."""
+
+
+class NoCheckpointError(ValueError):
+    """A workdir has no usable checkpoint to restore."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -102,6 +116,21 @@ class Checkpoints:
                     f"{stored[name][1]}{stored[name][0]} but the model expects {dtype}{shape}"
                 )
 
+    def _read(self, step: int, **item: Any) -> Any:
+        """The one item (`record` or `state`) of checkpoint `step`, or None with a warning
+        when it cannot be read (any failure: a torn file, a missing commit marker, ...)."""
+        ((name, args),) = item.items()
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+        except Exception as error:  # noqa: BLE001 - any read failure means skip it
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} is unreadable "
+                f"({type(error).__name__}: {error}); trying an older one",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+            return None
+
     def restore_latest(self, target: Any) -> tuple[int, Any] | None:
         """Restores the newest checkpoint that reads back and verifies.
 
@@ -116,30 +145,12 @@ class Checkpoints:
             target,
         )
         for step in reversed(self.all_steps()):
-            try:
-                record = self._manager.restore(
-                    step, args=ocp.args.Composite(record=ocp.args.JsonRestore())
-                ).record
-            except Exception as error:  # noqa: BLE001 - any read failure means skip it
-                warnings.warn(
-                    f"checkpoint step {step} in {self.directory} is unreadable "
-                    f"({type(error).__name__}: {error}); trying an older one",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
+            record = self._read(step, record=ocp.args.JsonRestore())
+            if record is None:
                 continue
             self._check_fits(step, record, target)
-            try:
-                state = self._manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                ).state
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(
-                    f"checkpoint step {step} in {self.directory} is unreadable "
-                    f"({type(error).__name__}: {error}); trying an older one",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
+            state = self._read(step, state=ocp.args.StandardRestore(abstract))
+            if state is None:
                 continue
             if tree_digest(state) != record["digest"]:
                 warnings.warn(
@@ -153,6 +164,39 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def checkpoint_tree(state: Any) -> dict:
+    """What a checkpoint holds of a flax TrainState: `{"step", "params", "opt_state"}`."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+def restore_train_state(checkpoints: Checkpoints, state: Any) -> tuple[int, Any] | None:
+    """`(step, state)` from the newest usable checkpoint, restored into `state`'s
+    structure, shapes, dtypes and shardings (its values are not used); None when
+    there is none. Raises CheckpointMismatchError as `Checkpoints.restore_latest`."""
+    restored = checkpoints.restore_latest(checkpoint_tree(state))
+    if restored is None:
+        return None
+    step, tree = restored
+    return step, state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+
+
+def load_train_state(workdir: str | pathlib.Path, template: Any) -> tuple[int, Any]:
+    """`(step, state)` of the newest usable checkpoint in `workdir`/checkpoints, restored
+    into `template` (a TrainState) as `restore_train_state` does. NoCheckpointError
+    when there is none."""
+    directory = pathlib.Path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        raise NoCheckpointError(f"workdir={str(workdir)!r}: no checkpoints/ yet")
+    checkpoints = Checkpoints(directory)
+    try:
+        restored = restore_train_state(checkpoints, template)
+    finally:
+        checkpoints.close()
+    if restored is None:
+        raise NoCheckpointError(f"workdir={str(workdir)!r}: no usable checkpoint in checkpoints/")
+    return restored
 
 
 def _dtype(x: Any) -> np.dtype:

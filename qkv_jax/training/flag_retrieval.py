@@ -1,7 +1,8 @@
-"""Seed 000's flag-retrieval experiment as a `Setup`: config -> pure functions."""
+"""Seed 000's flag-retrieval experiment as a task: config -> model and pure functions."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -12,10 +13,11 @@ from qkv_jax.diagnostics import head_diagnostics
 from qkv_jax.models import FLAG_READER_KINDS, FlagReader
 from qkv_jax.tasks.flag import flag_retrieval_batch
 from qkv_jax.training import validate
-from qkv_jax.training.loop import Setup, validate_train_config
+from qkv_jax.training.loop import validate_train_config
+from qkv_jax.training.task import Setup
 from qkv_jax.training.validate import ConfigError
 
-__all__ = ["build", "validate_config", "attention_weights", "flag_metrics"]
+__all__ = ["FlagRetrieval", "build", "validate_config", "attention_weights", "flag_metrics"]
 
 
 def validate_config(config: Any) -> None:
@@ -90,10 +92,73 @@ def flag_metrics(predictions, weights, batch, num_flags: int) -> dict[str, jax.A
     }
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
+class FlagRetrieval:
+    """The flag task's pure functions (`Setup`'s fields are its bound methods)."""
+
+    model: FlagReader
+    seq_len: int
+    d_model: int
+    num_flags: int
+    batch_size: int
+    num_eval_examples: int
+    num_plot_examples: int
+
+    def sample(self, key: jax.Array, batch_size: int) -> dict:
+        return flag_retrieval_batch(key, batch_size, self.seq_len, self.d_model, self.num_flags)
+
+    def init(self, key: jax.Array) -> Any:
+        return self.model.init(key, jnp.zeros((1, self.seq_len, self.d_model))).get("params", {})
+
+    def sample_batch(self, key: jax.Array, data: Any) -> dict:
+        del data  # the task is generated from the key alone
+        return self.sample(key, self.batch_size)
+
+    def loss(self, params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        del rng  # no dropout here
+        predictions = self.model.apply({"params": params}, batch["inputs"])
+        return jnp.mean((predictions - batch["targets"]) ** 2), {}
+
+    def forward(self, params: Any, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(predictions, attention weights [B, N, S])."""
+        predictions, state = self.model.apply({"params": params}, inputs, mutable=["intermediates"])
+        return predictions, attention_weights(state["intermediates"])
+
+    def evaluate(self, params: Any, key: jax.Array, data: Any) -> tuple[dict, dict]:
+        del data  # the task is generated from the key alone
+        batch = self.sample(key, self.num_eval_examples)
+        predictions, weights = self.forward(params, batch["inputs"])
+        examples = {
+            "attention_weights": weights[: self.num_plot_examples],
+            "flag_positions": batch["flag_positions"][: self.num_plot_examples],
+        }
+        return flag_metrics(predictions, weights, batch, self.num_flags), examples
+
+    def report(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
+        """attention_<stage>.png: the plotted examples' attention rows, the flags ringed."""
+        from qkv_jax.plots import plot_flag_attention  # matplotlib only when writing pictures
+
+        plot_flag_attention(
+            examples["attention_weights"],
+            examples["flag_positions"],
+            pathlib.Path(workdir) / f"attention_{stage}.png",
+            title=f"{self.model.kind} attention, {stage} training",
+        )
+        return {}
+
+    def inspect(self, params: Any, text: str | None) -> tuple[dict, list[str], list[str]]:
+        """One fresh example; `text` is its seed (default 0)."""
+        batch = self.sample(jax.random.PRNGKey(int(text) if text else 0), 1)
+        _, weights = jax.jit(self.forward)(params, batch["inputs"])  # (1, N, S)
+        flagged = {int(p): f for f, p in enumerate(batch["flag_positions"][0])}
+        keys = [f"{s}" + (f" (flag {flagged[s]})" if s in flagged else "") for s in range(self.seq_len)]
+        return {"attention": weights[0][:, None, :]}, ["query"], keys  # (N, 1, S)
+
+
 def build(config: Any) -> Setup:
     validate_config(config)
-    model_config, task, train = config["model"], config["task"], config["train"]
-    num_flags, seq_len, d_model = task["num_flags"], task["seq_len"], model_config["d_model"]
+    model_config, task = config["model"], config["task"]
+    num_flags, d_model = task["num_flags"], model_config["d_model"]
     model = FlagReader(
         kind=model_config["kind"],
         out_features=num_flags * (d_model - num_flags),
@@ -103,60 +168,13 @@ def build(config: Any) -> Setup:
         num_flags=num_flags,
         scaled=model_config["scaled"],
     )
-
-    def sample(key, batch_size):
-        return flag_retrieval_batch(key, batch_size, seq_len, d_model, num_flags)
-
-    def init(key):
-        return model.init(key, jnp.zeros((1, seq_len, d_model))).get("params", {})
-
-    def loss(params, batch, rng):
-        del rng  # no dropout here
-        predictions = model.apply({"params": params}, batch["inputs"])
-        return jnp.mean((predictions - batch["targets"]) ** 2), {}
-
-    def forward(params, inputs):
-        predictions, state = model.apply({"params": params}, inputs, mutable=["intermediates"])
-        return predictions, attention_weights(state["intermediates"])
-
-    num_plot_examples = config["eval"].get("num_plot_examples", 8)
-
-    def evaluate(params, key, data):
-        del data  # the task is generated from the key alone
-        batch = sample(key, config["eval"]["num_examples"])
-        predictions, weights = forward(params, batch["inputs"])
-        examples = {
-            "attention_weights": weights[:num_plot_examples],
-            "flag_positions": batch["flag_positions"][:num_plot_examples],
-        }
-        return flag_metrics(predictions, weights, batch, num_flags), examples
-
-    def report(workdir, stage, examples):
-        from qkv_jax.plots import plot_flag_attention  # matplotlib only when writing pictures
-
-        plot_flag_attention(
-            examples["attention_weights"],
-            examples["flag_positions"],
-            pathlib.Path(workdir) / f"attention_{stage}.png",
-            title=f"{model_config['kind']} attention, {stage} training",
-        )
-        return {}
-
-    def inspect(params, text):
-        """One fresh example; `text` is its seed (default 0)."""
-        seed = int(text) if text else 0
-        batch = sample(jax.random.PRNGKey(seed), 1)
-        _, weights = jax.jit(forward)(params, batch["inputs"])  # (1, N, S)
-        flagged = {int(p): f for f, p in enumerate(batch["flag_positions"][0])}
-        keys = [f"{s}" + (f" (flag {flagged[s]})" if s in flagged else "") for s in range(seq_len)]
-        return {"attention": weights[0][:, None, :]}, ["query"], keys  # (N, 1, S)
-
-    return Setup(
-        init=init,
-        sample_batch=lambda key, data: sample(key, train["batch_size"]),
-        loss=loss,
-        evaluate=evaluate,
-        apply=model.apply,
-        report=report,
-        inspect=inspect,
+    flag = FlagRetrieval(
+        model=model,
+        seq_len=task["seq_len"],
+        d_model=d_model,
+        num_flags=num_flags,
+        batch_size=config["train"]["batch_size"],
+        num_eval_examples=config["eval"]["num_examples"],
+        num_plot_examples=config["eval"].get("num_plot_examples", 8),
     )
+    return Setup.from_methods(flag, model=model)

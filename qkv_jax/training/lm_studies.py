@@ -23,14 +23,15 @@ import json
 import math
 import pathlib
 import time
-from typing import Any, cast
 
 import jax
 import numpy as np
 
-from qkv_jax.lm import generate, kv_cache_bytes_per_token
-from qkv_jax.training.run import build_setup, train_and_evaluate
+from qkv_jax.lm import TransformerLM, generate, kv_cache_bytes_per_token
+from qkv_jax.training.run import train_and_evaluate
 from qkv_jax.training.sweep import apply_overrides, run_sweep
+from qkv_jax.training.task import build_setup
+from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_metrics
 
 __all__ = [
@@ -58,7 +59,7 @@ def decode_tokens_per_second(model, params, batch_size: int, repeats: int = 3) -
     tokens per row; compiled first, median of `repeats`). Speed does not depend
     on the parameters' values, so freshly initialised ones do."""
     prompt = np.ones((batch_size, 1), np.int32)
-    new_tokens = model.max_len - 1
+    new_tokens = model.config.max_len - 1
 
     def timed(seed):
         started = time.perf_counter()
@@ -99,13 +100,17 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
     for row in rows:
         config = apply_overrides(base, row["cell"])
         setup = build_setup(config)
-        model = cast(Any, setup.apply).__self__  # the TransformerLM whose bound apply the setup carries
+        model = setup.model
+        if not isinstance(model, TransformerLM):
+            raise ConfigError(
+                f"task.module={config['task']['module']!r}: the K/V study needs a TransformerLM"
+            )
         params = jax.jit(setup.init)(jax.random.PRNGKey(0))
         results.append(
             {
                 "arm": arm_name(model),
-                "num_kv_heads": model.num_kv_heads,
-                "kv_latent_dim": model.kv_latent_dim,
+                "num_kv_heads": model.config.num_kv_heads,
+                "kv_latent_dim": model.config.kv_latent_dim,
                 "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
                 "seeds": row["seeds"],
                 "val_bits_per_char": row["eval_val_bits_per_char_stats"],
@@ -121,10 +126,11 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
 
 
 def arm_name(model) -> str:
-    if model.kv_latent_dim:
-        return f"mla_latent{model.kv_latent_dim}"
-    kind = "mha" if model.num_kv_heads == model.num_heads else "mqa" if model.num_kv_heads == 1 else "gqa"
-    return f"{kind}_kv{model.num_kv_heads}"
+    config = model.config
+    if config.kv_latent_dim:
+        return f"mla_latent{config.kv_latent_dim}"
+    kind = "mha" if config.num_kv_heads == config.num_heads else "mqa" if config.num_kv_heads == 1 else "gqa"
+    return f"{kind}_kv{config.num_kv_heads}"
 
 
 def _causal_mask_table(results: dict) -> list[str]:

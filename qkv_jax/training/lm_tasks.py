@@ -1,5 +1,9 @@
 """The TransformerLM on synthetic next-token tasks with a known answer (task.name copy or brackets).
 
+Each task is a row of `SEQUENCE_TASKS`: its generator in `qkv_jax.tasks.sequences`,
+the `task.*` fields it reads, and its vocabulary size. A new task of this kind
+is a generator there and one row here.
+
 Loss: cross-entropy on the answer positions only (`answer_mask`; the rest is
 random and cannot be learned). Metrics on fresh sequences: `loss` (nats),
 `accuracy` (answer tokens predicted right by the argmax) and
@@ -8,41 +12,73 @@ random and cannot be learned). Metrics on fresh sequences: `loss` (nats),
 
 from __future__ import annotations
 
-from typing import Any, cast
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from qkv_jax.lm import TransformerLM
 from qkv_jax.tasks.sequences import bracket_batch, copy_batch
 from qkv_jax.training import validate
-from qkv_jax.training.char_lm import make_model, validate_model_config
-from qkv_jax.training.loop import Setup, validate_train_config
+from qkv_jax.training.loop import validate_train_config
+from qkv_jax.training.task import Setup
+from qkv_jax.training.transformer import init_params, make_model, training_logits, validate_model_config
 
-__all__ = ["TASK_NAMES", "build", "validate_config", "task_shapes", "answer_metrics"]
+__all__ = ["SequenceTask", "SEQUENCE_TASKS", "build", "validate_config", "task_shapes", "answer_metrics"]
 
-TASK_NAMES = ("copy", "brackets")
+
+@dataclasses.dataclass(frozen=True)
+class SequenceTask:
+    """A synthetic next-token task.
+
+    Attributes:
+      generate: `generate(key, batch_size, *fields) -> {"inputs", "targets",
+        "answer_mask"}`, each `[batch, 2 task.length]`.
+      fields: the `task.*` fields passed to `generate` after the batch size, in
+        order (`length` first); each must be a positive integer, and at least
+        its `minimum`.
+      vocab_size: the vocabulary size, from the task fields.
+      minimum: smallest allowed value of some fields.
+    """
+
+    generate: Callable[..., dict]
+    fields: tuple[str, ...]
+    vocab_size: Callable[[dict], int]
+    minimum: dict = dataclasses.field(default_factory=dict)
+
+
+SEQUENCE_TASKS = {
+    "copy": SequenceTask(
+        generate=copy_batch,
+        fields=("length", "vocab_size"),
+        vocab_size=lambda task: task["vocab_size"],
+        minimum={"vocab_size": 2},
+    ),
+    "brackets": SequenceTask(
+        generate=bracket_batch,
+        fields=("length", "num_types"),
+        vocab_size=lambda task: 2 + 2 * task["num_types"],  # pad, '=', an opener and a closer per type
+    ),
+}
 
 
 def task_shapes(task: dict) -> tuple[int, int]:
     """(sequence length L of inputs and targets, vocabulary size) of a task config."""
-    if task["name"] == "copy":
-        return 2 * task["length"], task["vocab_size"]
-    return 2 * task["length"], 2 + 2 * task["num_types"]
+    return 2 * task["length"], SEQUENCE_TASKS[task["name"]].vocab_size(task)
 
 
 def validate_config(config: Any) -> None:
     validate_train_config(config)
-    validate.require_choice(config, "task.name", TASK_NAMES)
-    validate.require_positive_int(config, "task.length")
-    task = config["task"]
-    if task["name"] == "copy":
-        validate.require_positive_int(config, "task.vocab_size")
-        if task["vocab_size"] < 2:
-            raise validate.ConfigError(f"task.vocab_size={task['vocab_size']}: must be >= 2")
-    else:
-        validate.require_positive_int(config, "task.num_types")
-    validate_model_config(config, task_shapes(task)[0], "2 * task.length")
+    validate.require_choice(config, "task.name", SEQUENCE_TASKS)
+    spec = SEQUENCE_TASKS[config["task"]["name"]]
+    validate.require_positive_int(config, *(f"task.{field}" for field in spec.fields))
+    for field, minimum in spec.minimum.items():
+        if config["task"][field] < minimum:
+            raise validate.ConfigError(f"task.{field}={config['task'][field]}: must be >= {minimum}")
+    validate_model_config(config, task_shapes(config["task"])[0], "2 * task.length")
 
 
 def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
@@ -57,34 +93,48 @@ def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
     }
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
+class SequenceLM:
+    """A TransformerLM on one `SequenceTask` (`Setup`'s fields are its bound methods)."""
+
+    model: TransformerLM
+    spec: SequenceTask
+    fields: dict
+    batch_size: int
+    num_eval_examples: int
+
+    def sample(self, key: jax.Array, batch_size: int) -> dict:
+        return self.spec.generate(key, batch_size, *(self.fields[f] for f in self.spec.fields))
+
+    def init(self, key: jax.Array) -> Any:
+        return init_params(self.model, 2 * self.fields["length"], key)
+
+    def sample_batch(self, key: jax.Array, data: Any) -> dict:
+        del data  # the task is generated from the key alone
+        return self.sample(key, self.batch_size)
+
+    def loss(self, params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        logits = training_logits(self.model, params, batch["inputs"], rng)  # (B, L, V)
+        return answer_metrics(logits, batch)["loss"], {}
+
+    def evaluate(self, params: Any, key: jax.Array, data: Any) -> tuple[dict, dict]:
+        del data
+        batch = self.sample(key, self.num_eval_examples)
+        logits = jnp.asarray(self.model.apply({"params": params}, batch["inputs"]))  # (B, L, V)
+        return answer_metrics(logits, batch), {}
+
+
 def build(config: Any) -> Setup:
     validate_config(config)
     task = config["task"]
-    seq_len, vocab_size = task_shapes(task)
-    model = make_model(config["model"], vocab_size)
-
-    def sample(key, batch_size):
-        if task["name"] == "copy":
-            return copy_batch(key, batch_size, task["length"], task["vocab_size"])
-        return bracket_batch(key, batch_size, task["length"], task["num_types"])
-
-    def loss(params, batch, rng):
-        logits = cast(
-            jax.Array,
-            model.apply({"params": params}, batch["inputs"], deterministic=False, rngs={"dropout": rng}),
-        )  # (B, L, V)
-        return answer_metrics(logits, batch)["loss"], {}
-
-    def evaluate(params, key, data):
-        del data  # the task is generated from the key alone
-        batch = sample(key, config["eval"]["num_examples"])
-        logits = cast(jax.Array, model.apply({"params": params}, batch["inputs"]))  # (B, L, V)
-        return answer_metrics(logits, batch), {}
-
+    spec = SEQUENCE_TASKS[task["name"]]
+    lm = SequenceLM(
+        model=make_model(config["model"], task_shapes(task)[1]),
+        spec=spec,
+        fields={field: task[field] for field in spec.fields},
+        batch_size=config["train"]["batch_size"],
+        num_eval_examples=config["eval"]["num_examples"],
+    )
     return Setup(
-        init=lambda key: model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"],
-        sample_batch=lambda key, data: sample(key, config["train"]["batch_size"]),
-        loss=loss,
-        evaluate=evaluate,
-        apply=model.apply,
+        model=lm.model, init=lm.init, sample_batch=lm.sample_batch, loss=lm.loss, evaluate=lm.evaluate
     )

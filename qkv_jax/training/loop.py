@@ -1,90 +1,54 @@
 """The training loop shared by every experiment.
 
-An experiment is a `Setup`: how to initialise parameters, sample a batch from
-a key, compute the loss, and evaluate. The loop around it is the same for all:
+An experiment is a `Setup` (qkv_jax/training/task.py): how to initialise
+parameters, sample a batch from a key, compute the loss, and evaluate. The
+loop around it is the same for all:
 
   * one `TrainState`; `train_chunk` runs `length` optimizer steps inside one
     `lax.scan`, a pure function compiled once;
   * the batch of step s comes from `fold_in(data_key, s)`, on device, so a run
     resumed from a checkpoint replays exactly the batches it would have seen;
-  * `train_and_evaluate(config, workdir)` adds the workdir: `config.json`,
-    `metrics.jsonl`, orbax checkpoints with automatic resume, a NaN/inf guard,
-    `summary.json` and the experiment's pictures.
-
-The sweep launcher vmaps `init_train_state` and `make_train_chunk` over seeds.
+  * `train_chunks` calls the compiled chunks from a start step to the end and
+    hands each chunk's losses to the caller: single runs (`run.py`) and
+    vmapped seeds (`seeds.py`) share it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training.train_state import TrainState
 from jax import lax
 
 from qkv_jax.training import validate
+from qkv_jax.training.sharding import to_host
+from qkv_jax.training.task import Setup
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
-    "Setup",
     "TrainState",
     "make_optimizer",
     "init_train_state",
     "make_train_chunk",
     "chunk_length",
+    "train_chunks",
+    "logged_losses",
     "seed_keys",
     "validate_train_config",
 ]
 
-Params = Any
-Batch = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """One experiment, as pure functions (all jittable except `report`).
-
-    Attributes:
-      init: `init(key) -> params`.
-      sample_batch: `sample_batch(key, data) -> batch` (the training batch size).
-      loss: `loss(params, batch, rng) -> (scalar loss, aux dict)`; `rng` is for
-        dropout.
-      evaluate: `evaluate(params, key, data) -> (metrics, examples)` on fresh data:
-        a dict of scalar (or small array) metrics, and a pytree of per-example
-        outputs for the report.
-      report: optional host-side `report(workdir, stage, examples) -> dict`,
-        called with stage "before" (the untrained model's examples) and
-        "after"; writes pictures and returns extra summary entries.
-      apply: the model's `apply`, kept on the TrainState for users.
-      data: a pytree of arrays the functions above read (a text corpus, say),
-        passed to them as an argument so that it is never baked into the
-        compiled program as a constant.
-      inspect: optional `inspect(params, text) -> (maps, query_labels,
-        key_labels)` for `experiments.inspect`: the attention weights
-        `{layer: [N, T, S]}` of one input (`text` as the experiment reads it,
-        or None for a default one), with a label per position.
-    """
-
-    init: Callable[[jax.Array], Params]
-    sample_batch: Callable[[jax.Array, Any], Batch]
-    loss: Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict]]
-    evaluate: Callable[[Params, jax.Array, Any], tuple[dict, Any]]
-    apply: Callable[..., Any]
-    report: Callable[..., dict] | None = None
-    data: Any = dataclasses.field(default_factory=dict)
-    inspect: Callable[..., tuple[dict, list[str], list[str]]] | None = None
-
-
 OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
 
 
 def validate_train_config(config: Any) -> None:
-    """Checks the fields every experiment shares (seed, train.*, eval.*)."""
+    """Checks the fields every experiment shares (seed, train.*, eval.num_examples)."""
     validate.require_nonnegative_int(config, "seed")
     validate.require_positive_int(
         config, "train.steps", "train.batch_size", "train.log_every", "train.checkpoint_every"
@@ -95,10 +59,12 @@ def validate_train_config(config: Any) -> None:
     validate.require_positive_int(config, "eval.num_examples")
     train = config["train"]
     for field in ("weight_decay", "grad_clip_norm"):
-        if field in train and train[field] is not None and train[field] < 0:
+        if train.get(field) is not None and train[field] < 0:
             raise ConfigError(f"train.{field}={train[field]!r}: must be >= 0")
     if "warmup_steps" in train:
         validate.require_nonnegative_int(config, "train.warmup_steps")
+    if "schedule" in train:
+        validate.require_choice(config, "train.schedule", SCHEDULES)
     if "checkify" in train:
         validate.require_bool(config, "train.checkify")
 
@@ -135,7 +101,7 @@ def seed_keys(seed: int | jax.Array) -> dict[str, jax.Array]:
 
 
 def init_train_state(setup: Setup, tx: optax.GradientTransformation, init_key: jax.Array) -> TrainState:
-    return TrainState.create(apply_fn=setup.apply, params=setup.init(init_key), tx=tx)
+    return TrainState.create(apply_fn=setup.model.apply, params=setup.init(init_key), tx=tx)
 
 
 def make_train_chunk(
@@ -171,3 +137,38 @@ def make_train_chunk(
 def chunk_length(log_every: int, checkpoint_every: int) -> int:
     """Steps per compiled call: every log and checkpoint falls on a chunk boundary."""
     return math.gcd(log_every, checkpoint_every)
+
+
+def train_chunks(
+    state: Any,
+    run_chunk: Callable[[Any, int, int], tuple[Any, Any]],
+    *,
+    start_step: int,
+    steps: int,
+    chunk_length: int,
+    after_chunk: Callable[[int, np.ndarray, Any], None],
+) -> Any:
+    """The training loop: from `start_step` to `steps` in compiled chunks; returns the state.
+
+    `run_chunk(state, first_step, n) -> (state, losses [..., n])` trains steps
+    first_step .. first_step + n - 1 (one compiled call; `...` is a seed axis
+    when vmapped); `after_chunk(first_step, losses, state)` then sees the
+    losses on the host, to log, check and checkpoint them.
+    """
+    step = start_step
+    while step < steps:
+        n = min(chunk_length, steps - step)
+        state, losses = run_chunk(state, step, n)
+        after_chunk(step, np.asarray(to_host(losses)), state)
+        step += n
+    return state
+
+
+def logged_losses(first_step: int, losses: np.ndarray, log_every: int, steps: int) -> list[tuple[int, Any]]:
+    """The (step, loss) pairs of a chunk that go into the logs: every `log_every`-th
+    step and the last step of the run (`losses[..., i]` is the loss of `first_step + i`)."""
+    return [
+        (first_step + i, losses[..., i])
+        for i in range(losses.shape[-1])
+        if (first_step + i) % log_every == 0 or first_step + i == steps - 1
+    ]

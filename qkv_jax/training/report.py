@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from qkv_jax.training.checkpoints import Checkpoints
+from qkv_jax.training.checkpoints import NoCheckpointError, checkpoint_tree, load_train_state
 from qkv_jax.training.loop import init_train_state, make_optimizer, seed_keys
-from qkv_jax.training.run import build_setup, to_dict
+from qkv_jax.training.task import Setup, build_setup, to_dict
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_metrics, write_json
 
@@ -31,33 +31,37 @@ def is_sweep(workdir: str | pathlib.Path) -> bool:
     return (pathlib.Path(workdir) / "sweep.json").exists()
 
 
+def _restore(workdir: str | pathlib.Path, config: dict, setup: Setup) -> tuple[int, Any]:
+    """(step, TrainState) of the newest usable checkpoint, on this process's devices."""
+    tx = make_optimizer(config["train"])
+    template = jax.jit(lambda key: init_train_state(setup, tx, key))(seed_keys(config["seed"])["init"])
+    return load_train_state(workdir, template)
+
+
 def load_checkpoint(workdir: str | pathlib.Path, config: Any) -> tuple[int, dict] | None:
     """The newest usable checkpoint of `workdir`, restored for `config`'s model on
     this process's devices: `(step, {"step", "params", "opt_state"})`, or None."""
     config = to_dict(config)
     setup = build_setup(config)
-    tx = make_optimizer(config["train"])
-    state = jax.jit(lambda key: init_train_state(setup, tx, key))(seed_keys(config["seed"])["init"])
-    checkpoints = Checkpoints(pathlib.Path(workdir) / "checkpoints")
     try:
-        return checkpoints.restore_latest(
-            {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-        )
-    finally:
-        checkpoints.close()
+        step, state = _restore(workdir, config, setup)
+    except NoCheckpointError:
+        return None
+    return step, checkpoint_tree(state)
 
 
-def load_run(workdir: str | pathlib.Path) -> tuple[dict, Any, Any, int]:
+def load_run(workdir: str | pathlib.Path) -> tuple[dict, Setup, Any, int]:
     """(config, setup, trained params, step) of the newest checkpoint in `workdir`."""
     workdir = pathlib.Path(workdir)
     if not (workdir / "config.json").exists():
         raise ConfigError(f"workdir={str(workdir)!r}: no config.json; is it a run's workdir?")
     config = json.loads((workdir / "config.json").read_text())
-    restored = load_checkpoint(workdir, config)
-    if restored is None:
-        raise ConfigError(f"workdir={str(workdir)!r}: no usable checkpoint in checkpoints/")
-    step, tree = restored
-    return config, build_setup(config), tree["params"], int(step)
+    setup = build_setup(config)
+    try:
+        step, state = _restore(workdir, config, setup)
+    except NoCheckpointError as error:
+        raise ConfigError(str(error)) from None
+    return config, setup, state.params, int(step)
 
 
 def _json(value: Any) -> Any:

@@ -1,8 +1,9 @@
 """Many seeds of one config trained together in one compiled program.
 
 `jax.vmap` runs the same pure `init_train_state` and `make_train_chunk` that a
-single run uses over a leading seed axis (init and data keys), so seed i of a
-vmapped run follows the same steps as a run with seed i alone.
+single run uses over a leading seed axis (init and data keys), and the same
+loop (`loop.train_chunks`) calls them, so seed i of a vmapped run follows the
+same steps as a run with seed i alone.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkv_jax.training.loop import init_train_state, make_optimizer, make_train_chunk, seed_keys
-from qkv_jax.training.run import build_setup, compile_for_platform, to_dict
+from qkv_jax.training.compiled import compile_for_platform
+from qkv_jax.training.loop import (
+    init_train_state,
+    logged_losses,
+    make_optimizer,
+    make_train_chunk,
+    seed_keys,
+    train_chunks,
+)
+from qkv_jax.training.task import build_setup, to_dict
 
 __all__ = ["train_seeds"]
 
@@ -37,57 +46,51 @@ def train_seeds(config: Any, seeds: Sequence[int]) -> dict:
     started = time.perf_counter()
     config = to_dict(config)
     setup = build_setup(config)
-    train = config["train"]
-    steps, log_every = train["steps"], train["log_every"]
+    steps, log_every = config["train"]["steps"], config["train"]["log_every"]
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("train_seeds: no seeds given")
     keys = jax.vmap(seed_keys)(jnp.asarray(seeds))  # {name: (num_seeds, 2)}
-    tx = make_optimizer(train)
-    init = jax.jit(jax.vmap(lambda key: init_train_state(setup, tx, key)))
-    states = init(keys["init"])
+    tx = make_optimizer(config["train"])
+    states = jax.jit(jax.vmap(lambda key: init_train_state(setup, tx, key)))(keys["init"])
     evaluate = jax.jit(jax.vmap(setup.evaluate, in_axes=(0, 0, None)))
+    chunks: dict[int, Any] = {}
 
-    t = time.perf_counter()
-    chunks = {}
-
-    def chunk_fn(n: int):
+    def compiled_chunk(n: int) -> Any:
         if n not in chunks:
             vmapped = jax.vmap(make_train_chunk(setup, n), in_axes=(0, 0, None))
             chunks[n] = compile_for_platform(jax.jit(vmapped), states, keys["data"], setup.data)
         return chunks[n]
 
-    chunk_fn(min(log_every, steps))
+    def run_chunk(states: Any, first_step: int, n: int) -> tuple[Any, jax.Array]:
+        return compiled_chunk(n)(states, keys["data"], setup.data)
+
+    t = time.perf_counter()
+    compiled_chunk(min(log_every, steps))
     untrained, _ = jax.device_get(evaluate(states.params, keys["eval"], setup.data))
     compile_s = time.perf_counter() - t
 
-    curve_steps: list[int] = []
-    curves: list[np.ndarray] = []
+    logged: list[tuple[int, np.ndarray]] = []  # (step, losses [num_seeds])
     t = time.perf_counter()
-    step = 0
-    while step < steps:
-        n = min(log_every, steps - step)
-        states, losses = chunk_fn(n)(states, keys["data"], setup.data)
-        losses = np.asarray(jax.device_get(losses))  # (num_seeds, n)
-        for i in range(n):
-            if (step + i) % log_every == 0 or step + i == steps - 1:
-                curve_steps.append(step + i)
-                curves.append(losses[:, i])
-        step += n
+    states = train_chunks(
+        states,
+        run_chunk,
+        start_step=0,
+        steps=steps,
+        chunk_length=log_every,
+        after_chunk=lambda first, losses, _: logged.extend(logged_losses(first, losses, log_every, steps)),
+    )
     train_s = time.perf_counter() - t
     trained, _ = jax.device_get(evaluate(states.params, keys["eval"], setup.data))
-    curves_by_seed = np.stack(curves, axis=1)  # (num_seeds, num_logged)
-    final_loss = curves_by_seed[:, -1]
+    curves = np.stack([losses for _, losses in logged], axis=1)  # (num_seeds, num_logged)
     return {
         "seeds": seeds,
-        "final_loss": final_loss.tolist(),
+        "final_loss": curves[:, -1].tolist(),
         "metrics": {name: np.asarray(v).tolist() for name, v in trained.items()},
         "untrained_metrics": {name: np.asarray(v).tolist() for name, v in untrained.items()},
-        "curve_steps": curve_steps,
-        "curves": curves_by_seed.tolist(),
-        "diverged": [
-            s for s, ok in zip(seeds, np.isfinite(curves_by_seed).all(axis=1), strict=True) if not ok
-        ],
+        "curve_steps": [step for step, _ in logged],
+        "curves": curves.tolist(),
+        "diverged": [s for s, ok in zip(seeds, np.isfinite(curves).all(axis=1), strict=True) if not ok],
         "params": states.params,
         "compile_s": compile_s,
         "train_s": train_s,

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from qkv_jax.training.run import build_setup, to_dict
 from qkv_jax.training.seeds import train_seeds
+from qkv_jax.training.task import build_setup, to_dict
 from qkv_jax.training.validate import ConfigError, get_field
 from qkv_jax.training.workdir import prepare_workdir, write_json
 

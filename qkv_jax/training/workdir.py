@@ -15,11 +15,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from absl import logging
+
 from qkv_jax.training.tensorboard import EventWriter
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
     "RESUMABLE_FIELDS",
+    "RUN_OUTPUTS",
     "prepare_workdir",
     "write_json",
     "read_metrics",
@@ -37,17 +40,9 @@ RESUMABLE_FIELDS = (
     "eval.",
     "mesh.",  # a run may resume on another device layout
 )
-# Outputs a run owns; with train.overwrite=True they are moved aside, not deleted.
-RUN_OUTPUTS = (
-    "config.json",
-    "metrics.jsonl",
-    "summary.json",
-    "checkpoints",
-    "samples.txt",
-    "tokenizer.json",
-    "tensorboard",
-    "report.json",
-)
+# Outputs every run owns (a task adds its own, `Setup.outputs`); with
+# train.overwrite=True they are moved aside, not deleted.
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "report.json")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -157,8 +152,8 @@ class MetricsWriter:
     """Appends one JSON object per line, and the same scalars to TensorBoard.
 
     TensorBoard event files go to `<workdir>/tensorboard/`
-    (`qkv_jax.training.tensorboard`: no TensorFlow or tensorboardX needed; read
-    them with `tensorboard --logdir <workdir>/tensorboard`).
+    (`qkv_jax.training.tensorboard`, TensorBoard's own writer without
+    TensorFlow; view them with `tensorboard --logdir <workdir>/tensorboard`).
 
     On resume from `start_step` it keeps the earlier records on the `log_every`
     grid and drops the rest (records a killed run wrote past its checkpoint, and
@@ -169,6 +164,7 @@ class MetricsWriter:
     def __init__(self, path: str | pathlib.Path, start_step: int, log_every: int, enabled: bool = True):
         self.path = pathlib.Path(path)
         self.enabled = enabled
+        self.last_step = start_step - 1  # of the last record written
         self._tensorboard: EventWriter | None = None
         if not enabled:
             return
@@ -179,7 +175,12 @@ class MetricsWriter:
         ]
         self._write_all(kept)
         self._file = open(self.path, "a")
-        self._tensorboard = EventWriter(self.path.parent / "tensorboard", purge_step=start_step)
+        try:
+            self._tensorboard = EventWriter(self.path.parent / "tensorboard", purge_step=start_step)
+        except ImportError:  # an environment without the `tensorboard` package: metrics.jsonl only
+            logging.warning(
+                "tensorboard is not installed: no TensorBoard event files in %s", self.path.parent
+            )
 
     def _write_all(self, records: Iterable[dict]) -> None:
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
@@ -188,6 +189,7 @@ class MetricsWriter:
         os.replace(f.name, self.path)
 
     def write(self, record: dict) -> None:
+        self.last_step = record["step"]
         if not self.enabled:
             return
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -196,6 +198,7 @@ class MetricsWriter:
             for name, value in record.items():
                 if name != "step" and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(f"train/{name}", value, record["step"])
+            self._tensorboard.flush()
 
     def write_scalars(self, prefix: str, values: dict, step: int) -> None:
         """Scalar entries of `values` (evaluation metrics, say) to TensorBoard only."""

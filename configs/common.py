@@ -1,0 +1,131 @@
+"""The config sections every experiment shares, each field with its comment, written once.
+
+A config file builds its own `task` (and `data`, `eval`) sections and takes
+these; keyword arguments set the experiment's values:
+
+  config.train = common.train(steps=2000, batch_size=32, learning_rate=0.01)
+  config.mesh = common.mesh()
+  config.model = common.transformer(num_layers=2, d_model=128, num_heads=4, max_len=256)
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def base(experiment: str, seed: int = 0) -> ml_collections.ConfigDict:
+    """The top of every config: what it is, and its seed."""
+    config = ml_collections.ConfigDict()
+    # What this config is; a workdir holding another experiment's run is refused.
+    config.experiment = experiment
+    # Seeds parameter init, training batches and evaluation data.
+    config.seed = seed
+    return config
+
+
+def task(module: str, name: str) -> ml_collections.ConfigDict:
+    """The `task` section's two common fields; the config adds the task's own."""
+    section = ml_collections.ConfigDict()
+    # The module whose build(config) returns the task's Setup (qkv_jax/training/task.py).
+    section.module = module
+    # The task's short name (the summary's and the task module's).
+    section.name = name
+    return section
+
+
+def train(
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    optimizer: str = "adam",
+    weight_decay: float = 1e-4,
+    grad_clip_norm: float | None = None,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    log_every: int = 100,
+    checkpoint_every: int = 1000,
+) -> ml_collections.ConfigDict:
+    section = ml_collections.ConfigDict()
+    # Optimizer steps.
+    section.steps = steps
+    # Examples per step.
+    section.batch_size = batch_size
+    # Peak learning rate of the schedule.
+    section.learning_rate = learning_rate
+    # adam, adamw or sgd.
+    section.optimizer = optimizer
+    # AdamW's decoupled weight decay.
+    section.weight_decay = weight_decay
+    # Clip the global gradient norm to this; unset = no clipping.
+    section.grad_clip_norm = config_dict.placeholder(float) if grad_clip_norm is None else grad_clip_norm
+    # Linear warmup steps before the schedule.
+    section.warmup_steps = warmup_steps
+    # constant or cosine (decays to 0 at train.steps).
+    section.schedule = schedule
+    # Write a metrics.jsonl line every this many steps (steps per compiled call).
+    section.log_every = log_every
+    # Save an orbax checkpoint every this many steps (and at the end).
+    section.checkpoint_every = checkpoint_every
+    # Replace a workdir that holds a different config's run (old files are moved aside).
+    section.overwrite = False
+    # Check every operation of the compiled step for nan and division by zero (slower).
+    section.checkify = False
+    return section
+
+
+def lm_train(
+    *, steps: int, batch_size: int, warmup_steps: int, log_every: int, checkpoint_every: int
+) -> ml_collections.ConfigDict:
+    """The language models' recipe: AdamW at 3e-3, weight decay 0.01, gradients clipped at
+    norm 1, linear warmup then cosine decay."""
+    return train(
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=3e-3,
+        optimizer="adamw",
+        weight_decay=0.01,
+        grad_clip_norm=1.0,
+        warmup_steps=warmup_steps,
+        schedule="cosine",
+        log_every=log_every,
+        checkpoint_every=checkpoint_every,
+    )
+
+
+def mesh() -> ml_collections.ConfigDict:
+    section = ml_collections.ConfigDict()
+    # Devices the batch is split over (-1 = all devices not used by mesh.model).
+    section.data = -1
+    # Devices the attention heads and MLP hidden units are split over (divides the head counts).
+    section.model = 1
+    return section
+
+
+def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml_collections.ConfigDict:
+    """The `model` section of a TransformerLM (qkv_jax.TransformerConfig's fields)."""
+    section = ml_collections.ConfigDict()
+    # Transformer blocks.
+    section.num_layers = num_layers
+    # Residual stream width (token and position embeddings too).
+    section.d_model = d_model
+    # Query heads; head depth is d_model // num_heads.
+    section.num_heads = num_heads
+    # Key/value heads, dividing num_heads (GQA; 1 = MQA); unset = num_heads (MHA).
+    section.num_kv_heads = config_dict.placeholder(int)
+    # MLA: per-token latent width the cache stores, K and V rebuilt from it; unset = off.
+    section.kv_latent_dim = config_dict.placeholder(int)
+    # dot_product_attention's path: reference, xla or chunked; unset = its dispatch rule.
+    section.attention_implementation = config_dict.placeholder(str)
+    # MLP hidden width; unset = 4 * d_model.
+    section.mlp_dim = config_dict.placeholder(int)
+    # Positions the model (and its decode cache) holds; generation needs prompt + new - 1 <= this.
+    section.max_len = max_len
+    # Causal mask on; False trains a model that sees the tokens it predicts.
+    section.causal = True
+    # Dropout on the residual branches and embeddings.
+    section.dropout_rate = 0.0
+    # Dropout on the attention weights.
+    section.attention_dropout_rate = 0.0
+    # Computation dtype: float32, bfloat16 or float16; unset = the parameters' (float32).
+    section.dtype = config_dict.placeholder(str)
+    return section

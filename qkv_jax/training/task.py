@@ -1,0 +1,105 @@
+"""What an experiment is to the trainer: a `Setup` of pure functions, built by a task module.
+
+A task is a Python module with one function, `build(config: dict) -> Setup`,
+named in the config by its dotted import path (`config.task.module`), as
+big_vision names its models: the built-in tasks are modules of
+`qkv_jax.training` (`flag_retrieval`, `char_lm`, `lm_tasks`), and a task in a
+researcher's own package trains the same way, with nothing in qkv_jax edited:
+
+    config.task.module = "my_package.my_task"   # my_package/my_task.py: def build(config) -> Setup
+
+`build` validates the config (raising `ConfigError` naming the field and the
+value) before any array is made, and returns the pure functions the trainer
+compiles. `README.md` ("Add your own task") has a complete example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from qkv_jax.training.validate import ConfigError, get_field
+
+__all__ = ["Setup", "build_setup", "to_dict"]
+
+Params = Any
+Batch = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One experiment, as pure functions (all jittable except `report` and `inspect`).
+
+    Attributes:
+      model: the Flax module the parameters belong to (its `apply` is the
+        TrainState's `apply_fn`; studies and tools read its attributes).
+      init: `init(key) -> params`.
+      sample_batch: `sample_batch(key, data) -> batch` (the training batch size).
+      loss: `loss(params, batch, rng) -> (scalar loss, aux dict)`; `rng` is for
+        dropout.
+      evaluate: `evaluate(params, key, data) -> (metrics, examples)` on fresh data:
+        a dict of scalar (or small array) metrics, and a pytree of per-example
+        outputs for the report.
+      report: optional host-side `report(workdir, stage, examples) -> dict`,
+        called with stage "before" (the untrained model's examples) and
+        "after"; writes pictures and returns extra summary entries.
+      data: a pytree of arrays the functions above read (a text corpus, say),
+        passed to them as an argument so that it is never baked into the
+        compiled program as a constant.
+      inspect: optional `inspect(params, text) -> (maps, query_labels,
+        key_labels)` for `experiments.inspect`: the attention weights
+        `{layer: [N, T, S]}` of one input (`text` as the experiment reads it,
+        or None for a default one), with a label per position.
+      outputs: the files (besides pictures) `report` writes into the workdir,
+        so that `train.overwrite` moves them aside with the run's other files.
+    """
+
+    model: nn.Module
+    init: Callable[[jax.Array], Params]
+    sample_batch: Callable[[jax.Array, Any], Batch]
+    loss: Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict]]
+    evaluate: Callable[[Params, jax.Array, Any], tuple[dict, Any]]
+    report: Callable[..., dict] | None = None
+    data: Any = dataclasses.field(default_factory=dict)
+    inspect: Callable[..., tuple[dict, list[str], list[str]]] | None = None
+    outputs: tuple[str, ...] = ()
+
+    @classmethod
+    def from_methods(cls, functions: Any, **fields: Any) -> Setup:
+        """A Setup whose functions are `functions`' methods of the same names (`report` and
+        `inspect` when it has them), plus `fields` (model, data, outputs)."""
+        names = ("init", "sample_batch", "loss", "evaluate", "report", "inspect")
+        return cls(**{name: getattr(functions, name) for name in names if hasattr(functions, name)}, **fields)
+
+
+def to_dict(config: Any) -> dict:
+    """A ConfigDict (or mapping) as a plain dict."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def build_setup(config: Any) -> Setup:
+    """Imports `config.task.module` and returns its `build(config)` (a validated Setup).
+
+    A module that cannot be imported, or has no `build`, is a ConfigError
+    naming `task.module`; so is a `build` that returns something else.
+    """
+    config = to_dict(config)
+    path = get_field(config, "task.module")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"task.module={path!r}: must be a dotted module path, e.g. 'my_package.my_task'")
+    try:
+        module = importlib.import_module(path)
+    except ImportError as error:
+        raise ConfigError(f"task.module={path!r}: cannot be imported ({error})") from None
+    build = getattr(module, "build", None)
+    if not callable(build):
+        raise ConfigError(f"task.module={path!r}: has no function build(config) -> Setup")
+    setup = build(config)
+    if not isinstance(setup, Setup):
+        raise ConfigError(f"task.module={path!r}: build(config) returned {type(setup).__name__}, not a Setup")
+    return setup

@@ -1,0 +1,92 @@
+"""What every TransformerLM task shares: the model from a config's `model` section, its checks, the loss.
+
+The `model` section's fields are `qkv_jax.TransformerConfig`'s, by name (a
+dtype as its name, e.g. "bfloat16"), so a new model option is a field of
+TransformerConfig and of `configs/common.py:transformer_model`, and nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qkv_jax.attention import IMPLEMENTATIONS
+from qkv_jax.lm import TransformerConfig, TransformerLM
+from qkv_jax.training import validate
+from qkv_jax.training.validate import ConfigError
+
+__all__ = [
+    "DTYPES",
+    "transformer_config",
+    "make_model",
+    "validate_model_config",
+    "cross_entropy",
+    "init_params",
+    "training_logits",
+]
+
+_FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
+# model.dtype / model.param_dtype by name.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerConfig:
+    """The TransformerConfig a config's `model` section describes (fields by name;
+    others, and fields of configs written before one existed, are left out).
+    `overrides`, e.g. `causal=True`, replace fields."""
+    fields = {name: value for name, value in model_config.items() if name in _FIELDS}
+    for name in ("dtype", "param_dtype"):
+        if isinstance(fields.get(name), str):
+            fields[name] = jnp.dtype(fields[name])
+    return TransformerConfig(**{**fields, "vocab_size": vocab_size, **overrides})
+
+
+def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerLM:
+    """The TransformerLM of a config's `model` section (see `transformer_config`)."""
+    return TransformerLM(transformer_config(model_config, vocab_size, **overrides))
+
+
+def validate_model_config(config: Any, seq_len: int, source: str) -> None:
+    """model.* of every TransformerLM experiment; `seq_len`, the training length (`source`
+    says where it comes from, e.g. 'task.seq_len'), must fit model.max_len."""
+    validate.require_positive_int(
+        config, "model.num_layers", "model.d_model", "model.num_heads", "model.max_len"
+    )
+    validate.require_fraction(config, "model.dropout_rate", "model.attention_dropout_rate")
+    validate.require_bool(config, "model.causal")
+    model = config["model"]
+    for field in ("num_kv_heads", "kv_latent_dim", "mlp_dim"):
+        if model.get(field) is not None:
+            validate.require_positive_int(config, f"model.{field}")
+    validate.require_divides(config, "model.num_heads", "model.d_model")
+    if model.get("attention_implementation") is not None:
+        validate.require_choice(config, "model.attention_implementation", IMPLEMENTATIONS)
+    for field in ("dtype", "param_dtype"):
+        if model.get(field) is not None:
+            validate.require_choice(config, f"model.{field}", DTYPES)
+    if model.get("num_kv_heads") is not None:
+        validate.require_divides(config, "model.num_kv_heads", "model.num_heads")
+    if seq_len > model["max_len"]:
+        raise ConfigError(
+            f"model.max_len={model['max_len']}: shorter than the training sequences ({source}={seq_len})"
+        )
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats: logits `[..., T, V]`, targets `[..., T]`."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def init_params(model: TransformerLM, seq_len: int, key: jax.Array) -> Any:
+    """Fresh parameters of `model` for sequences of `seq_len` tokens."""
+    return model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+
+
+def training_logits(model: TransformerLM, params: Any, tokens: jax.Array, rng: jax.Array) -> jax.Array:
+    """Logits `[B, T, V]` of `tokens` `[B, T]` in training mode (dropout drawn from `rng`)."""
+    logits = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": rng})
+    return jnp.asarray(logits)

@@ -1,0 +1,13 @@
+"""Starting the launchers in a subprocess, as a user would from the repository root."""
+
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def launcher_env(**extra: str) -> dict:
+    """os.environ with the repository root put in front of PYTHONPATH (what is already there, e.g.
+    packages installed with `pip install --target`, stays), plus `extra`."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
