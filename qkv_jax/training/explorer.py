@@ -1,0 +1,366 @@
+"""Self-contained HTML pages for exploring a run's attention and a sweep's results.
+
+`write_run_page(path, data)` writes one HTML file (inline CSS and JS, nothing
+fetched, opens from disk) with a head view (hover or click a query token to
+see where one head, or every head, sends it), a checkpoint slider and a strip
+of the selected head at every checkpoint, a sortable head-diagnostics table
+whose rows select a head, the loss curves (SVG, log-y toggle) and the config.
+`write_sweep_page(path, rows, metric, link_for_cell)` writes a sweep's
+results table, sortable, each cell linking to its run's page.
+
+The run page's `data` (checked by `validate_run_data`, which raises a
+ValueError naming the bad key):
+
+    title: str
+    subtitle: str                       e.g. "checkpoint step 2000"
+    config: dict                        the run's config (JSON-able), shown as a tree
+    curves: {name: [[step, value], ...]}  loss curves; non-finite values are left out
+    layers: [str]                       layer names, e.g. ["block 0", "block 1"]
+    num_heads: int
+    examples: [{"name": str,
+                "query_tokens": [str],  T labels (the last T of the S key positions)
+                "key_tokens": [str],    S labels
+                "marks": [int]}]        key positions to mark (e.g. the flag); may be empty
+    checkpoints: [{"step": int,
+                   "attention": [num_examples][num_layers][num_heads][T][S] floats in [0, 1]}]
+                                        T and S are per example; a list of arrays, one per
+                                        example, or one array when every example has the same
+    diagnostics: {"columns": [str],
+                  "rows": [{"layer": int, "head": int, <column>: float | None, ...}]}
+    notes: [str]                        shown at the top, e.g. "6 of 11 checkpoints shown"
+
+Attention weights travel quantised to uint8 (`round(weight * 255)`), base64
+per checkpoint and example, so 3 examples of 64 tokens, 2 layers, 4 heads and
+11 checkpoints make a page of about 1.5 MB. The page shows `q / 255`;
+`page_attention` returns those same numbers on the Python side.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import pathlib
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "LEVELS",
+    "decode_attention",
+    "encode_attention",
+    "page_attention",
+    "validate_run_data",
+    "write_run_page",
+    "write_sweep_page",
+]
+
+# Attention weights are stored as round(weight * LEVELS) in one byte.
+LEVELS = 255
+# Weights outside [0, 1] by more than this are an error; within it they are clipped (float32 softmax).
+_TOLERANCE = 1e-3
+_RUN_KEYS: dict[str, tuple[type, ...]] = {
+    "title": (str,),
+    "subtitle": (str,),
+    "config": (dict,),
+    "curves": (dict,),
+    "layers": (list,),
+    "num_heads": (int, np.integer),
+    "examples": (list,),
+    "checkpoints": (list,),
+    "diagnostics": (dict,),
+    "notes": (list,),
+}
+
+
+def encode_attention(weights: Any) -> str:
+    """Base64 of the weights `[...]` in [0, 1] quantised to uint8 (C order)."""
+    quantised = np.rint(np.clip(np.asarray(weights, np.float64), 0.0, 1.0) * LEVELS).astype(np.uint8)
+    return base64.b64encode(quantised.tobytes()).decode("ascii")
+
+
+def decode_attention(blob: str, shape: Sequence[int]) -> np.ndarray:
+    """The weights `shape` that `blob` (from `encode_attention`) holds, as the page shows them: q / 255."""
+    quantised = np.frombuffer(base64.b64decode(blob), np.uint8)
+    return quantised.reshape(tuple(shape)).astype(np.float64) / LEVELS
+
+
+def page_attention(data: dict, checkpoint: int, example: int) -> np.ndarray:
+    """The weights `[num_layers, num_heads, T, S]` the page shows for one checkpoint and example."""
+    tokens = data["examples"][example]
+    shape = (len(data["layers"]), data["num_heads"], len(tokens["query_tokens"]), len(tokens["key_tokens"]))
+    weights = np.asarray(data["checkpoints"][checkpoint]["attention"][example], np.float64)
+    return decode_attention(encode_attention(weights), shape)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_examples(examples: list) -> None:
+    for e, example in enumerate(examples):
+        where = f"data['examples'][{e}]"
+        if not isinstance(example, dict):
+            raise ValueError(f"{where}: expected a dict, got {type(example).__name__}")
+        for key in ("name", "query_tokens", "key_tokens", "marks"):
+            if key not in example:
+                raise ValueError(f"{where}: missing key {key!r}")
+        if not isinstance(example["name"], str):
+            raise ValueError(f"{where}['name']: expected a str, got {example['name']!r}")
+        for key in ("query_tokens", "key_tokens"):
+            tokens = example[key]
+            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+                raise ValueError(f"{where}[{key!r}]: expected a non-empty list of str")
+        num_queries, num_keys = len(example["query_tokens"]), len(example["key_tokens"])
+        if num_queries > num_keys:
+            raise ValueError(f"{where}: {num_queries} query tokens but only {num_keys} key tokens")
+        for mark in example["marks"]:
+            if not isinstance(mark, (int, np.integer)) or not 0 <= mark < num_keys:
+                raise ValueError(f"{where}['marks']: {mark!r} is not a key position in [0, {num_keys})")
+
+
+def _check_checkpoints(data: dict) -> None:
+    if not data["checkpoints"]:
+        raise ValueError("data['checkpoints']: at least one checkpoint is needed")
+    for c, checkpoint in enumerate(data["checkpoints"]):
+        where = f"data['checkpoints'][{c}]"
+        if not isinstance(checkpoint, dict) or not {"step", "attention"} <= checkpoint.keys():
+            raise ValueError(f"{where}: expected a dict with keys 'step' and 'attention'")
+        if not isinstance(checkpoint["step"], (int, np.integer)):
+            raise ValueError(f"{where}['step']: expected an int, got {checkpoint['step']!r}")
+        if len(checkpoint["attention"]) != len(data["examples"]):
+            raise ValueError(
+                f"{where}['attention']: {len(checkpoint['attention'])} examples, "
+                f"data['examples'] has {len(data['examples'])}"
+            )
+        for e, example in enumerate(data["examples"]):
+            weights = np.asarray(checkpoint["attention"][e], np.float64)
+            expected = (
+                len(data["layers"]),
+                data["num_heads"],
+                len(example["query_tokens"]),
+                len(example["key_tokens"]),
+            )
+            if weights.shape != expected:
+                raise ValueError(
+                    f"{where}['attention'][{e}]: shape {weights.shape}, expected "
+                    f"[num_layers, num_heads, T, S] = {expected}"
+                )
+            if (
+                not np.all(np.isfinite(weights))
+                or weights.min() < -_TOLERANCE
+                or weights.max() > 1 + _TOLERANCE
+            ):
+                raise ValueError(f"{where}['attention'][{e}]: weights must be finite and in [0, 1]")
+
+
+def _check_curves(curves: dict) -> None:
+    for name, points in curves.items():
+        if not isinstance(name, str):
+            raise ValueError(f"data['curves']: curve names must be str, got {name!r}")
+        for point in points:
+            if len(point) != 2 or not all(_is_number(v) for v in point):
+                raise ValueError(
+                    f"data['curves'][{name!r}]: {point!r} is not a [step, value] pair of numbers"
+                )
+
+
+def _check_diagnostics(data: dict) -> None:
+    diagnostics = data["diagnostics"]
+    columns = diagnostics.get("columns")
+    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+        raise ValueError("data['diagnostics']['columns']: expected a list of str")
+    if not isinstance(diagnostics.get("rows"), list):
+        raise ValueError("data['diagnostics']['rows']: expected a list of dicts")
+    for r, row in enumerate(diagnostics["rows"]):
+        where = f"data['diagnostics']['rows'][{r}]"
+        for key, size in (("layer", len(data["layers"])), ("head", data["num_heads"])):
+            if not isinstance(row.get(key), (int, np.integer)) or not 0 <= row[key] < size:
+                raise ValueError(f"{where}[{key!r}]: {row.get(key)!r} is not in [0, {size})")
+        for column in columns:
+            if column not in row:
+                raise ValueError(f"{where}: missing column {column!r}")
+            if row[column] is not None and not _is_number(row[column]):
+                raise ValueError(f"{where}[{column!r}]: expected a number or None, got {row[column]!r}")
+
+
+def validate_run_data(data: dict) -> None:
+    """Raises ValueError, naming the key, when `data` does not follow the module docstring's schema."""
+    if not isinstance(data, dict):
+        raise ValueError(f"data: expected a dict, got {type(data).__name__}")
+    for key, kinds in _RUN_KEYS.items():
+        if key not in data:
+            raise ValueError(f"data: missing key {key!r}")
+        if not isinstance(data[key], kinds) or isinstance(data[key], bool):
+            raise ValueError(f"data[{key!r}]: expected {kinds[0].__name__}, got {type(data[key]).__name__}")
+    if data["num_heads"] < 1:
+        raise ValueError(f"data['num_heads']: expected at least 1, got {data['num_heads']}")
+    if not data["layers"] or not all(isinstance(name, str) for name in data["layers"]):
+        raise ValueError("data['layers']: expected a non-empty list of str")
+    if not data["examples"]:
+        raise ValueError("data['examples']: at least one example is needed")
+    if not all(isinstance(note, str) for note in data["notes"]):
+        raise ValueError("data['notes']: expected a list of str")
+    _check_examples(data["examples"])
+    _check_checkpoints(data)
+    _check_curves(data["curves"])
+    _check_diagnostics(data)
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON: numpy scalars as Python numbers, non-finite floats as None."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
+def _payload(data: dict) -> dict:
+    """What the page's script reads: `data` with the attention encoded."""
+    payload = {key: _plain(data[key]) for key in _RUN_KEYS if key != "checkpoints"}
+    payload["levels"] = LEVELS
+    payload["checkpoints"] = [
+        {"step": int(c["step"]), "attention": [encode_attention(weights) for weights in c["attention"]]}
+        for c in data["checkpoints"]
+    ]
+    return payload
+
+
+def _script_json(value: Any) -> str:
+    """JSON to embed in a <script> element. '<', '>', '&', '/' and '=' only occur inside JSON
+    strings, so escaping them everywhere keeps '</script>', URLs and 'src=' out of the page."""
+    text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    for char, escape in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("/", "\\/"),
+        ("=", "\\u003d"),
+    ):
+        text = text.replace(char, escape)
+    return text
+
+
+def _text(value: Any) -> str:
+    """HTML text or attribute value; '/' and '=' escaped too, so no URL or 'src=' appears literally."""
+    return html.escape(str(value)).replace("/", "&#47;").replace("=", "&#61;")
+
+
+def _asset(name: str) -> str:
+    return resources.files("qkv_jax.training").joinpath("explorer_assets", name).read_text(encoding="utf-8")
+
+
+def _document(title: str, body: str, scripts: Sequence[str]) -> str:
+    script_tags = "".join(f"<script>\n{script}\n</script>\n" for script in scripts)
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{_text(title)}</title>\n"
+        f"<style>\n{_asset('explorer.css')}\n</style>\n</head>\n<body>\n{body}\n{script_tags}</body>\n</html>\n"
+    )
+
+
+def write_run_page(path: str | pathlib.Path, data: dict) -> pathlib.Path:
+    """Writes the run explorer for `data` (schema in the module docstring) to `path`; returns the path."""
+    validate_run_data(data)
+    payload = f'<script type="application/json" id="run-data">{_script_json(_payload(data))}</script>'
+    page = _document(
+        data["title"],
+        _asset("run_page.html") + payload,
+        [_asset("sortable_table.js"), _asset("run_page.js")],
+    )
+    path = pathlib.Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _relative_link(link: Any, cell: dict) -> str | None:
+    if link is None:
+        return None
+    link = str(link)
+    if "://" in link or link.startswith(("/", "\\")) or ":" in link.split("/")[0]:
+        raise ValueError(f"link_for_cell: {link!r} for cell {cell!r} is not a relative link")
+    return link
+
+
+def _stats_cell(stats: dict | None) -> tuple[str, Any]:
+    """The text of a `mean ± std [min, max]` cell and its sort value ('' sorts last)."""
+    from qkv_jax.training.sweep import _format
+
+    if stats is None:
+        return "-", ""
+    mean, std, low, high = (_format(stats[key]) for key in ("mean", "std", "min", "max"))
+    text = f"{mean} ± {std} [{low}, {high}]"
+    return text, stats["mean"] if _is_number(stats["mean"]) and math.isfinite(stats["mean"]) else ""
+
+
+def _sweep_row(row: dict, fields: list[str], columns: list[str], link: str | None) -> str:
+    """One <tr> of the sweep table, each entry linked to `link`. A cell's data-value is what it
+    sorts by: a number, or '' (sorts last); without one it sorts by its text."""
+    from qkv_jax.training.sweep import _format
+
+    def cell(text: str, value: Any = None) -> str:
+        shown = f'<a href="{_text(link)}">{_text(text)}</a>' if link and text else _text(text)
+        sort_value = "" if value is None else f' data-value="{_text(value)}"'
+        return f"<td{sort_value}>{shown}</td>"
+
+    values = [row["cell"].get(field, "") for field in fields]
+    cells = [cell(_format(value), value if _is_number(value) else None) for value in values]
+    if row["status"] != "done":
+        cells += [cell(f"skipped: {row.get('reason', '')}", "")] + ["<td></td>"] * (len(columns) + 1)
+    else:
+        cells += [cell(*_stats_cell(row.get(f"{column}_stats"))) for column in columns]
+        cells += [cell(str(len(row["seeds"])), len(row["seeds"]))]
+        cells += [cell(f"{row['wall_time_s']:.1f}", row["wall_time_s"])]
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def write_sweep_page(
+    path: str | pathlib.Path,
+    rows: list[dict],
+    metric: str,
+    link_for_cell: Callable[[dict], str | None] | dict[str, str],
+    *,
+    extra: Sequence[str] = (),
+) -> pathlib.Path:
+    """Writes `results.html`-style page: the sweep's results table (as `sweep.results_table`),
+    sortable by any column, each cell's entries linking to its run's page.
+
+    `rows` are `sweep.summarize` rows (or skipped rows); `link_for_cell` maps a
+    row's cell to a relative link (None: no page), or is a dict keyed by
+    `sweep.cell_name(cell)`. Returns the path."""
+    from qkv_jax.training.sweep import _fields, cell_name
+
+    fields, columns = _fields(rows), [metric, *extra]
+    header = fields + [f"{c} mean ± std [min, max]" for c in columns] + ["seeds", "time (s)"]
+    body = []
+    for row in rows:
+        if isinstance(link_for_cell, dict):
+            link = link_for_cell.get(cell_name(row["cell"]))
+        else:
+            link = link_for_cell(row["cell"])
+        body.append(_sweep_row(row, fields, columns, _relative_link(link, row["cell"])))
+    table = (
+        '<table id="results" class="sortable"><thead><tr>'
+        + "".join(f'<th scope="col">{_text(h)}</th>' for h in header)
+        + "</tr></thead><tbody>\n"
+        + "\n".join(body)
+        + "\n</tbody></table>"
+    )
+    heading = f"<h1>Sweep results</h1>\n<p>Metric: {_text(metric)}. Click a column header to sort.</p>\n"
+    page = _document(
+        f"Sweep results: {metric}",
+        f"<main>\n{heading}{table}\n</main>",
+        [_asset("sortable_table.js"), 'makeSortable(document.getElementById("results"));'],
+    )
+    path = pathlib.Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path

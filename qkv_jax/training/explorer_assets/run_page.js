@@ -1,0 +1,531 @@
+// The run explorer. Reads the JSON payload in #run-data (written by qkv_jax.training.explorer)
+// and builds the head view, the checkpoint slider and strip, the diagnostics table, the loss
+// curves and the config tree from it. Nothing is fetched.
+"use strict";
+
+const DATA = JSON.parse(document.getElementById("run-data").textContent);
+// The namespace of the page's own inline <svg>: new SVG elements need no namespace URL in this file.
+const SVG_NS = document.getElementById("links").namespaceURI;
+const ROW_HEIGHT = 20; // px between token rows in the head view
+const LINK_WIDTH = 140; // px of the line area between the query and key columns
+const TOP_K = 8; // rows of the largest-weights table
+const ACCENT = "33, 102, 172"; // attention colour (r, g, b), as in the CSS
+const PALETTE = ["#2166ac", "#d6604d", "#1b7837", "#762a83", "#b8860b", "#35978f", "#8c510a", "#c51b7d"];
+const ALL_HEADS = "all";
+
+const state = {
+  example: 0,
+  layer: 0,
+  head: 0, // a head index, or ALL_HEADS
+  checkpoint: DATA.checkpoints.length - 1,
+  pinned: null, // the clicked query index
+  hovered: null, // the query index under the pointer; shown instead of the pinned one
+  playing: null, // the interval id while "play" steps through the checkpoints
+};
+
+function byId(id) {
+  return document.getElementById(id);
+}
+
+function element(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined) node.textContent = text;
+  if (className) node.className = className;
+  return node;
+}
+
+function svgElement(tag, attributes) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
+  return node;
+}
+
+// A legend item: a short line in `colour`, then `label`.
+function legendEntry(label, colour) {
+  const entry = element("span", label);
+  const swatch = element("i");
+  swatch.style.background = colour;
+  entry.prepend(swatch);
+  return entry;
+}
+
+// Whitespace tokens (common in a character LM) drawn as visible symbols.
+function visibleToken(text) {
+  return text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205";
+}
+
+function formatNumber(value) {
+  return value === null ? "" : String(Number(value.toPrecision(4)));
+}
+
+// ---- Attention weights --------------------------------------------------------------------
+
+function sizes(example) {
+  const tokens = DATA.examples[example];
+  return { T: tokens.query_tokens.length, S: tokens.key_tokens.length };
+}
+
+const decoded = new Map(); // "checkpoint/example" -> Uint8Array [layer][head][T][S]
+
+function attentionBytes(checkpoint, example) {
+  const key = checkpoint + "/" + example;
+  if (!decoded.has(key)) {
+    const text = atob(DATA.checkpoints[checkpoint].attention[example]);
+    const bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+    decoded.set(key, bytes);
+  }
+  return decoded.get(key);
+}
+
+// (query, key) -> weight of one head, or the mean over heads for ALL_HEADS. A weight is the
+// stored byte / levels: exactly the number qkv_jax.training.explorer.page_attention returns.
+function headWeights(checkpoint, example, layer, head) {
+  const { T, S } = sizes(example);
+  const bytes = attentionBytes(checkpoint, example);
+  const start = (h) => (layer * DATA.num_heads + h) * T * S;
+  if (head !== ALL_HEADS) {
+    const base = start(head);
+    return (t, s) => bytes[base + t * S + s] / DATA.levels;
+  }
+  return (t, s) => {
+    let total = 0;
+    for (let h = 0; h < DATA.num_heads; h++) total += bytes[start(h) + t * S + s];
+    return total / DATA.num_heads / DATA.levels;
+  };
+}
+
+function currentWeights() {
+  return headWeights(state.checkpoint, state.example, state.layer, state.head);
+}
+
+function currentQuery() {
+  return state.hovered ?? state.pinned;
+}
+
+// ---- Head view ----------------------------------------------------------------------------
+
+function tokenElement(text, index, top) {
+  const node = element("div", visibleToken(text), "token");
+  node.dataset.index = index;
+  node.style.top = top + "px";
+  return node;
+}
+
+// Query t sits at key position t + S - T (queries are the last T positions), level with its key.
+function queryTop(t) {
+  const { T, S } = sizes(state.example);
+  return (t + S - T) * ROW_HEIGHT;
+}
+
+function renderTokens() {
+  const example = DATA.examples[state.example];
+  const height = example.key_tokens.length * ROW_HEIGHT + "px";
+  const queries = byId("query-column");
+  const keys = byId("key-column");
+  queries.replaceChildren();
+  keys.replaceChildren();
+  queries.style.height = keys.style.height = height;
+  byId("links").setAttribute("height", parseInt(height));
+  byId("links").setAttribute("width", LINK_WIDTH);
+  example.query_tokens.forEach((text, t) => {
+    const node = tokenElement(text, t, queryTop(t));
+    node.title = "query " + t;
+    node.addEventListener("mouseenter", () => setHovered(t));
+    node.addEventListener("mouseleave", () => setHovered(null));
+    node.addEventListener("click", () => setPinned(t));
+    queries.appendChild(node);
+  });
+  example.key_tokens.forEach((text, s) => {
+    const node = tokenElement(text, s, s * ROW_HEIGHT);
+    if (example.marks.includes(s)) node.classList.add("marked");
+    keys.appendChild(node);
+  });
+}
+
+// Key shading and data-weight: the weight the current query puts on each key.
+function renderKeys(query, weight) {
+  for (const node of byId("key-column").children) {
+    const s = Number(node.dataset.index);
+    if (query === null) {
+      delete node.dataset.weight;
+      node.style.background = "";
+      node.style.color = "";
+      node.title = "key " + s;
+      continue;
+    }
+    const w = weight(query, s);
+    node.dataset.weight = String(w);
+    node.style.background = `rgba(${ACCENT}, ${w})`;
+    node.style.color = w > 0.55 ? "#fff" : "";
+    node.title = `key ${s}: weight ${w.toFixed(3)}`;
+  }
+}
+
+// One line per (head, key) with a non-zero weight; opacity and thickness follow the weight.
+function renderLinks(query) {
+  const svg = byId("links");
+  svg.replaceChildren();
+  const heads = state.head === ALL_HEADS ? [...Array(DATA.num_heads).keys()] : [state.head];
+  renderHeadLegend(heads);
+  if (query === null) return;
+  const { S } = sizes(state.example);
+  for (const head of heads) {
+    const weight = headWeights(state.checkpoint, state.example, state.layer, head);
+    for (let s = 0; s < S; s++) {
+      const w = weight(query, s);
+      if (w === 0) continue;
+      const line = svgElement("line", {
+        x1: 2, y1: queryTop(query) + ROW_HEIGHT / 2 - 1, x2: LINK_WIDTH - 2, y2: s * ROW_HEIGHT + ROW_HEIGHT / 2 - 1,
+        "stroke-opacity": w, "stroke-width": 1 + 5 * w, "data-head": head, "data-key": s, "data-weight": w,
+      });
+      if (heads.length > 1) line.style.stroke = PALETTE[head % PALETTE.length];
+      svg.appendChild(line);
+    }
+  }
+}
+
+// With every head shown, which line colour is which head.
+function renderHeadLegend(heads) {
+  const legend = byId("head-legend");
+  legend.replaceChildren();
+  if (heads.length < 2) return;
+  for (const head of heads) legend.appendChild(legendEntry("head " + head, PALETTE[head % PALETTE.length]));
+}
+
+function renderTopWeights(query, weight) {
+  const body = byId("top-weights").tBodies[0];
+  body.replaceChildren();
+  const example = DATA.examples[state.example];
+  const headName = state.head === ALL_HEADS ? "mean over heads" : "head " + state.head;
+  if (query === null) {
+    byId("top-weights-title").textContent = "Largest weights: hover or click a query token";
+    return;
+  }
+  byId("top-weights-title").textContent =
+    `Largest weights of query ${query} "${visibleToken(example.query_tokens[query])}" (${headName})`;
+  const keys = example.key_tokens.map((_, s) => s);
+  keys.sort((a, b) => weight(query, b) - weight(query, a));
+  for (const s of keys.slice(0, TOP_K)) {
+    const row = element("tr");
+    row.dataset.key = s;
+    row.dataset.weight = String(weight(query, s));
+    row.append(element("td", String(s)), element("td", visibleToken(example.key_tokens[s])));
+    row.append(element("td", weight(query, s).toFixed(3)));
+    if (example.marks.includes(s)) row.className = "marked";
+    body.appendChild(row);
+  }
+}
+
+// Paints weight(t, s) as a T x S grid of `cell`-pixel squares on `canvas`.
+function drawMatrix(canvas, weight, T, S, cell) {
+  canvas.width = S * cell;
+  canvas.height = T * cell;
+  const context = canvas.getContext("2d");
+  context.fillStyle = "#fff";
+  context.fillRect(0, 0, canvas.width, canvas.height);
+  for (let t = 0; t < T; t++) {
+    for (let s = 0; s < S; s++) {
+      const w = weight(t, s);
+      if (w === 0) continue;
+      context.fillStyle = `rgba(${ACCENT}, ${w})`;
+      context.fillRect(s * cell, t * cell, cell, cell);
+    }
+  }
+  return context;
+}
+
+function heatmapCell() {
+  const { T, S } = sizes(state.example);
+  return Math.max(2, Math.min(14, Math.floor(320 / Math.max(T, S))));
+}
+
+// The whole T x S map of the current head, with the marked keys and the current query outlined.
+function renderHeatmap(query, weight) {
+  const { T, S } = sizes(state.example);
+  const cell = heatmapCell();
+  const context = drawMatrix(byId("heatmap"), weight, T, S, cell);
+  context.lineWidth = 1;
+  context.strokeStyle = "rgba(192, 57, 43, 0.8)";
+  for (const s of DATA.examples[state.example].marks) context.strokeRect(s * cell + 0.5, 0.5, cell - 1, T * cell - 1);
+  if (query !== null) {
+    context.strokeStyle = "#f39c12";
+    context.lineWidth = 2;
+    context.strokeRect(1, query * cell + 1, S * cell - 2, cell - 2);
+  }
+  const headName = state.head === ALL_HEADS ? "mean over heads" : "head " + state.head;
+  byId("heatmap-title").textContent = `All queries (rows) and keys (columns), ${headName}`;
+}
+
+function heatmapPosition(event) {
+  const canvas = byId("heatmap");
+  const box = canvas.getBoundingClientRect();
+  const { T, S } = sizes(state.example);
+  const s = Math.floor(((event.clientX - box.left - canvas.clientLeft) / canvas.clientWidth) * S);
+  const t = Math.floor(((event.clientY - box.top - canvas.clientTop) / canvas.clientHeight) * T);
+  return t >= 0 && t < T && s >= 0 && s < S ? { t, s } : null;
+}
+
+function showHeatmapValue(event) {
+  const position = heatmapPosition(event);
+  const example = DATA.examples[state.example];
+  byId("heatmap-readout").textContent =
+    position === null
+      ? "\u00a0"
+      : `query ${position.t} "${visibleToken(example.query_tokens[position.t])}" \u2192 key ${position.s} ` +
+        `"${visibleToken(example.key_tokens[position.s])}": ${currentWeights()(position.t, position.s).toFixed(3)}`;
+}
+
+function renderWeights() {
+  const query = currentQuery();
+  const weight = currentWeights();
+  for (const node of byId("query-column").children) {
+    node.classList.toggle("selected", Number(node.dataset.index) === query);
+  }
+  renderKeys(query, weight);
+  renderLinks(query);
+  renderTopWeights(query, weight);
+  renderHeatmap(query, weight);
+}
+
+function setHovered(query) {
+  state.hovered = query;
+  renderWeights();
+}
+
+function setPinned(query) {
+  state.pinned = query;
+  renderWeights();
+}
+
+// ---- Checkpoints: slider, play button, strip ---------------------------------------------
+
+function setCheckpoint(index) {
+  state.checkpoint = index;
+  const slider = byId("checkpoint-slider");
+  slider.value = index;
+  const label = byId("checkpoint-label");
+  label.dataset.step = DATA.checkpoints[index].step;
+  label.textContent = `step ${DATA.checkpoints[index].step} (${index + 1} of ${DATA.checkpoints.length})`;
+  for (const item of byId("checkpoint-strip").children) {
+    item.classList.toggle("current", Number(item.dataset.checkpoint) === index);
+  }
+  renderWeights();
+}
+
+function togglePlay() {
+  const button = byId("play-button");
+  if (state.playing !== null) {
+    clearInterval(state.playing);
+    state.playing = null;
+    button.textContent = "play";
+    return;
+  }
+  if (state.checkpoint === DATA.checkpoints.length - 1) setCheckpoint(0);
+  button.textContent = "pause";
+  state.playing = setInterval(() => {
+    if (state.checkpoint + 1 < DATA.checkpoints.length) setCheckpoint(state.checkpoint + 1);
+    else togglePlay();
+  }, 800);
+}
+
+// The current head (or the mean over heads) at every checkpoint, as small maps.
+function renderStrip() {
+  const strip = byId("checkpoint-strip");
+  strip.replaceChildren();
+  const { T, S } = sizes(state.example);
+  const cell = Math.max(1, Math.floor(96 / Math.max(T, S)));
+  DATA.checkpoints.forEach((checkpoint, index) => {
+    const item = element("div", undefined, "strip-item");
+    item.dataset.checkpoint = index;
+    const canvas = element("canvas");
+    drawMatrix(canvas, headWeights(index, state.example, state.layer, state.head), T, S, cell);
+    item.append(canvas, element("div", "step " + checkpoint.step));
+    item.classList.toggle("current", index === state.checkpoint);
+    item.addEventListener("click", () => setCheckpoint(index));
+    strip.appendChild(item);
+  });
+}
+
+// ---- Selection: example, layer, head ------------------------------------------------------
+
+function fillSelect(select, labels, values) {
+  select.replaceChildren();
+  labels.forEach((label, index) => {
+    const option = element("option", label);
+    option.value = values[index];
+    select.appendChild(option);
+  });
+}
+
+function selectView({ example = state.example, layer = state.layer, head = state.head }) {
+  if (example !== state.example) {
+    state.example = example;
+    state.hovered = null;
+    state.pinned = sizes(example).T - 1;
+    renderTokens();
+  }
+  state.layer = layer;
+  state.head = head;
+  byId("example-select").value = String(example);
+  byId("layer-select").value = String(layer);
+  byId("head-select").value = String(head);
+  for (const row of byId("diagnostics-table").tBodies[0].rows) {
+    row.classList.toggle("selected", Number(row.dataset.layer) === layer && Number(row.dataset.head) === head);
+  }
+  renderStrip();
+  setCheckpoint(state.checkpoint);
+}
+
+function initControls() {
+  const heads = [...Array(DATA.num_heads).keys()];
+  fillSelect(byId("example-select"), DATA.examples.map((example) => example.name), DATA.examples.map((_, e) => e));
+  fillSelect(byId("layer-select"), DATA.layers, DATA.layers.map((_, l) => l));
+  fillSelect(byId("head-select"), heads.map((h) => "head " + h).concat(["all heads"]), heads.concat([ALL_HEADS]));
+  byId("example-select").addEventListener("change", (event) => selectView({ example: Number(event.target.value) }));
+  byId("layer-select").addEventListener("change", (event) => selectView({ layer: Number(event.target.value) }));
+  byId("head-select").addEventListener("change", (event) => {
+    const value = event.target.value;
+    selectView({ head: value === ALL_HEADS ? ALL_HEADS : Number(value) });
+  });
+  const slider = byId("checkpoint-slider");
+  slider.max = DATA.checkpoints.length - 1;
+  slider.addEventListener("input", () => setCheckpoint(Number(slider.value)));
+  byId("play-button").addEventListener("click", togglePlay);
+  const heatmap = byId("heatmap");
+  heatmap.addEventListener("mousemove", showHeatmapValue);
+  heatmap.addEventListener("mouseleave", () => (byId("heatmap-readout").textContent = "\u00a0"));
+  heatmap.addEventListener("click", (event) => {
+    const position = heatmapPosition(event);
+    if (position !== null) setPinned(position.t);
+  });
+}
+
+// ---- Diagnostics table ---------------------------------------------------------------------
+
+function renderDiagnostics() {
+  const table = byId("diagnostics-table");
+  const columns = DATA.diagnostics.columns;
+  const header = element("tr");
+  for (const name of ["layer", "head", ...columns]) header.appendChild(element("th", name));
+  table.tHead.replaceChildren(header);
+  for (const row of DATA.diagnostics.rows) {
+    const tr = element("tr");
+    tr.dataset.layer = row.layer;
+    tr.dataset.head = row.head;
+    const layer = element("td", DATA.layers[row.layer]);
+    layer.dataset.value = row.layer;
+    tr.append(layer, element("td", String(row.head)));
+    for (const name of columns) {
+      const cell = element("td", formatNumber(row[name]));
+      cell.dataset.value = row[name] === null ? "" : String(row[name]);
+      tr.appendChild(cell);
+    }
+    tr.addEventListener("click", () => selectView({ layer: row.layer, head: row.head }));
+    table.tBodies[0].appendChild(tr);
+  }
+  makeSortable(table);
+}
+
+// ---- Loss curves -----------------------------------------------------------------------------
+
+// About `count` round tick values (1, 2 or 5 times a power of ten) covering [low, high].
+function niceTicks(low, high, count) {
+  const raw = (high - low) / count;
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((candidate) => candidate >= raw);
+  const ticks = [];
+  for (let tick = Math.ceil(low / step) * step; tick <= high + step * 1e-9; tick += step) ticks.push(tick);
+  return ticks;
+}
+
+function extent(values) {
+  let low = Math.min(...values);
+  let high = Math.max(...values);
+  if (low === high) [low, high] = [low - 1, high + 1];
+  return [low, high];
+}
+
+function drawAxes(svg, box, xTicks, yTicks, yLabel) {
+  for (const [value, y] of yTicks) {
+    svg.appendChild(svgElement("line", { x1: box.left, x2: box.right, y1: y, y2: y, class: "grid" }));
+    svg.appendChild(svgElement("text", { x: box.left - 6, y: y + 4, "text-anchor": "end" })).textContent = yLabel(value);
+  }
+  for (const [value, x] of xTicks) {
+    svg.appendChild(svgElement("line", { x1: x, x2: x, y1: box.bottom, y2: box.bottom + 4, class: "axis" }));
+    svg.appendChild(svgElement("text", { x, y: box.bottom + 16, "text-anchor": "middle" })).textContent = String(value);
+  }
+  svg.appendChild(svgElement("line", { x1: box.left, x2: box.right, y1: box.bottom, y2: box.bottom, class: "axis" }));
+  svg.appendChild(svgElement("line", { x1: box.left, x2: box.left, y1: box.top, y2: box.bottom, class: "axis" }));
+  svg.appendChild(svgElement("text", { x: (box.left + box.right) / 2, y: box.bottom + 32, "text-anchor": "middle" }))
+    .textContent = "step";
+}
+
+// Every curve as a polyline; with log y, values <= 0 are left out. Missing values (null) too.
+function renderCurves() {
+  const svg = byId("curve-plot");
+  svg.replaceChildren();
+  const logY = byId("log-y").checked;
+  const toY = (value) => (logY ? Math.log10(value) : value);
+  const series = Object.entries(DATA.curves).map(([name, points]) => [
+    name, points.filter(([, value]) => value !== null && (!logY || value > 0)),
+  ]);
+  const points = series.flatMap(([, kept]) => kept);
+  if (points.length === 0) {
+    svg.appendChild(svgElement("text", { x: 20, y: 30 })).textContent = "no curves to show";
+    return;
+  }
+  const box = { left: 64, right: 624, top: 12, bottom: 284 };
+  const [x0, x1] = extent(points.map(([step]) => step));
+  const [y0, y1] = extent(points.map(([, value]) => toY(value)));
+  const sx = (x) => box.left + ((x - x0) / (x1 - x0)) * (box.right - box.left);
+  const sy = (y) => box.bottom - ((y - y0) / (y1 - y0)) * (box.bottom - box.top);
+  const yTicks = logY && y1 - y0 >= 1 ? niceTicks(y0, y1, 5).filter(Number.isInteger) : niceTicks(y0, y1, 5);
+  drawAxes(svg, box, niceTicks(x0, x1, 6).map((x) => [x, sx(x)]), yTicks.map((y) => [y, sy(y)]),
+    (y) => formatNumber(logY ? Math.pow(10, y) : y));
+  const legend = byId("curve-legend");
+  legend.replaceChildren();
+  series.forEach(([name, kept], index) => {
+    const colour = PALETTE[index % PALETTE.length];
+    const line = svgElement("polyline", {
+      points: kept.map(([x, y]) => `${sx(x).toFixed(1)},${sy(toY(y)).toFixed(1)}`).join(" "),
+      fill: "none", stroke: colour, "stroke-width": 1.5, "data-name": name,
+    });
+    line.appendChild(svgElement("title", {})).textContent = name;
+    svg.appendChild(line);
+    legend.appendChild(legendEntry(name, colour));
+  });
+}
+
+// ---- Header, notes, config -------------------------------------------------------------------
+
+function configNode(key, value, depth) {
+  if (value !== null && typeof value === "object") {
+    const details = element("details");
+    details.open = depth < 1;
+    const size = Array.isArray(value) ? ` [${value.length}]` : "";
+    details.appendChild(element("summary", key + size));
+    for (const [childKey, child] of Object.entries(value)) details.appendChild(configNode(childKey, child, depth + 1));
+    return details;
+  }
+  const leaf = element("div", undefined, "leaf");
+  leaf.append(element("span", key + ": ", "key"), element("span", JSON.stringify(value)));
+  return leaf;
+}
+
+function renderText() {
+  byId("title").textContent = DATA.title;
+  byId("subtitle").textContent = DATA.subtitle;
+  for (const note of DATA.notes) byId("notes").appendChild(element("li", note));
+  const tree = byId("config-tree");
+  for (const [key, value] of Object.entries(DATA.config)) tree.appendChild(configNode(key, value, 0));
+}
+
+renderText();
+renderCurves();
+byId("log-y").addEventListener("change", renderCurves);
+initControls();
+renderDiagnostics();
+state.pinned = sizes(0).T - 1; // start on the last query: the one that predicts next
+renderTokens();
+selectView({});
