@@ -92,7 +92,9 @@ def worker_decode() -> dict:
 
     config = model_config("char_lm")
     model: TransformerLM = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))[
+        "params"
+    ]
     recompute = jax.jit(recompute_generate, static_argnums=(0, 3))
     results = {}
     for batch in DECODE_BATCHES:
@@ -240,7 +242,9 @@ def gpu_run(steps: int, dry_run: bool) -> None:
         ratios[f"{name}_training_tokens_per_s"] = tokens / run_s
     config = model_config("char_lm")
     model = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))[
+        "params"
+    ]
     new_tokens = 8 if dry_run else NEW_TOKENS
     for batch in DECODE_BATCHES:
         prompt = np.ones((batch, 1), np.int32)

@@ -44,6 +44,7 @@ def train(
     schedule: str = "constant",
     log_every: int = 100,
     checkpoint_every: int = 1000,
+    keep_checkpoints: int = 3,
 ) -> ml_collections.ConfigDict:
     section = ml_collections.ConfigDict()
     # Optimizer steps.
@@ -66,6 +67,8 @@ def train(
     section.log_every = log_every
     # Save an orbax checkpoint every this many steps (and at the end).
     section.checkpoint_every = checkpoint_every
+    # Checkpoints kept, the newest ones (0 = every one: to follow training later, e.g. in report.html).
+    section.keep_checkpoints = keep_checkpoints
     # Replace a workdir that holds a different config's run (old files are moved aside).
     section.overwrite = False
     # Check every operation of the compiled step for nan and division by zero (slower).

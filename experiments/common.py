@@ -5,18 +5,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 from experiments.allocator import TCMALLOC_PATHS
 
-__all__ = ["TCMALLOC_PATHS", "fail", "parse_flags", "config_file_module", "run_main", "define_common_flags"]
+__all__ = [
+    "TCMALLOC_PATHS",
+    "fail",
+    "parse_flags",
+    "training_errors",
+    "config_file_module",
+    "run_main",
+    "define_common_flags",
+]
 
 DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "qkv_jax" / "jax_compilation_cache"
 
@@ -68,6 +77,38 @@ def parse_flags(argv: list[str]) -> list[str]:
     if missing:
         fail(f"--{missing[0]} is required", code=2)
     return remaining
+
+
+@contextlib.contextmanager
+def training_errors() -> Iterator[None]:
+    """What a training command can meet, each as one line and an exit code: 2 for a bad config,
+    75 (EX_TEMPFAIL) when stopped by SIGTERM/SIGINT after saving a checkpoint, 1 otherwise."""
+    import jax
+
+    from qkv_jax.training import CheckpointMismatchError, ConfigError
+    from qkv_jax.training.memory import InsufficientMemoryError
+    from qkv_jax.training.preemption import EXIT_PREEMPTED, Preempted
+    from qkv_jax.training.workdir import DiskFullError, WorkdirBusyError
+
+    try:
+        yield
+    except ConfigError as error:
+        fail(str(error), code=2)
+    except Preempted as error:
+        fail(str(error), code=EXIT_PREEMPTED)
+    except (
+        FloatingPointError,
+        CheckpointMismatchError,
+        WorkdirBusyError,
+        InsufficientMemoryError,
+        DiskFullError,
+    ) as error:
+        fail(str(error))
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        reason = str(error).splitlines()[0].split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
+        fail(f"out of memory: {reason}; lower train.batch_size or the model's size")
 
 
 def config_file_module(flag_name: str = "config") -> tuple[ModuleType, str | None]:

@@ -39,20 +39,18 @@ def main(argv):
     if len(argv) != 2 or argv[1] not in STUDIES:
         common.fail(f"give one study: {' or '.join(STUDIES)} (got {argv[1:]})", code=2)
     common.enable_compilation_cache(FLAGS.compilation_cache)
-    from qkv_jax.training import ConfigError, lm_studies
+    from qkv_jax.training import lm_studies
     from qkv_jax.training.task import to_dict
 
     study, workdir = argv[1], pathlib.Path(FLAGS.workdir)
     base = to_dict(FLAGS.config)
     workdir.mkdir(parents=True, exist_ok=True)
-    try:
+    with common.training_errors():
         if study == "kv_heads":
             module, variant = common.config_file_module()
             results = lm_studies.kv_heads(base, workdir, module.get_sweep(variant), list(range(FLAGS.seeds)))
         else:
             results = lm_studies.causal_mask(base, workdir)
-    except ConfigError as error:
-        common.fail(str(error), code=2)
     overrides = " ".join(a for a in sys.argv[1:] if a.startswith("--config"))
     seeds = f" --seeds {FLAGS.seeds}" if study == "kv_heads" else ""
     command = f"python -m experiments.lm_studies {study} --workdir {FLAGS.workdir}{seeds} {overrides}".strip()

@@ -7,6 +7,10 @@ The seeds of a cell train together in one compiled program (jax.vmap over the
 init and data keys). Without --sweep, the config file's `get_sweep(arg)` gives
 the grid. Re-running the same command skips finished cells; cells that fail
 the config check are reported as skipped with the reason.
+
+Many machines: start N launches with --shard 0/N ... --shard N-1/N on one
+(shared) workdir, e.g. a SLURM array (README, "Sweeps and studies"); each
+claims its cells, and the last to finish writes results.*.
 """
 
 import pathlib
@@ -24,6 +28,12 @@ flags.DEFINE_string("workdir", None, "Directory for the sweep's cells, results a
 flags.DEFINE_multi_string("sweep", [], "field=v1,v2,...; repeat for a grid (cartesian product).")
 flags.DEFINE_integer("seeds", 4, "Seeds per cell (0, 1, ..., seeds - 1), trained together.")
 flags.DEFINE_string(
+    "shard",
+    None,
+    "I/N: run only the cells whose index is I mod N (N launches, e.g. a SLURM array, share one "
+    "workdir; the last to finish writes the results).",
+)
+flags.DEFINE_string(
     "metric",
     None,
     "Metric for the table and plots (default: the config's get_sweep_metric(arg), else final_loss).",
@@ -34,12 +44,12 @@ common.define_common_flags()
 def main(argv):
     del argv  # run_main refuses positional arguments
     from qkv_jax.training import ConfigError
-    from qkv_jax.training.sweep import parse_sweep_arg, run_sweep
+    from qkv_jax.training.sweep import grid, parse_shard, parse_sweep_arg, run_sweep
     from qkv_jax.training.task import to_dict
 
     config = to_dict(FLAGS.config)
     module, arg = common.config_file_module()
-    try:
+    with common.training_errors():
         if FLAGS.sweep:
             sweep = dict(parse_sweep_arg(text, config) for text in FLAGS.sweep)
         elif hasattr(module, "get_sweep"):
@@ -49,6 +59,7 @@ def main(argv):
         if FLAGS.seeds <= 0:
             raise ConfigError(f"--seeds={FLAGS.seeds}: must be a positive integer")
         metric = FLAGS.metric or getattr(module, "get_sweep_metric", lambda a: "final_loss")(arg)
+        shard = parse_shard(FLAGS.shard)
         common.enable_compilation_cache(FLAGS.compilation_cache)
         rows = run_sweep(
             config,
@@ -57,12 +68,13 @@ def main(argv):
             list(range(FLAGS.seeds)),
             metric=metric,
             overwrite=config["train"]["overwrite"],
+            shard=shard,
         )
-    except ConfigError as error:
-        common.fail(str(error), code=2)
-    done = sum(r["status"] == "done" for r in rows)
-    print(f"{done} of {len(rows)} cells done, {len(rows) - done} skipped; wrote {FLAGS.workdir}/results.md")
-    print(pathlib.Path(FLAGS.workdir, "results.md").read_text())
+    results = pathlib.Path(FLAGS.workdir, "results.md")
+    if results.exists() and len(rows) == len(grid(sweep)):
+        done = sum(r["status"] == "done" for r in rows)
+        print(f"{done} of {len(rows)} cells done, {len(rows) - done} skipped; wrote {results}")
+        print(results.read_text())
 
 
 if __name__ == "__main__":

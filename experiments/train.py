@@ -45,7 +45,9 @@ def describe(summary: dict, workdir: str) -> str:
     for name, value in summary.items():
         if name.startswith("eval_") and isinstance(value, (int, float)):
             lines.append(f"  {name:26s} {value:10.4g} {untrained[name]:10.4g}")
-    written = sorted(p.name + ("/" if p.is_dir() else "") for p in pathlib.Path(workdir).iterdir())
+    written = sorted(
+        p.name + ("/" if p.is_dir() else "") for p in pathlib.Path(workdir).iterdir() if p.name[0] != "."
+    )
     lines.append(f"wrote {workdir}/: {' '.join(written)}")
     return "\n".join(lines)
 
@@ -54,15 +56,11 @@ def main(argv):
     del argv  # run_main refuses positional arguments
     common.initialize_devices()
     common.enable_compilation_cache(FLAGS.compilation_cache)
-    from qkv_jax.training import CheckpointMismatchError, ConfigError, train_and_evaluate
+    from qkv_jax.training import train_and_evaluate
     from qkv_jax.training.sharding import is_primary
 
-    try:
+    with common.training_errors():
         summary = train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    except ConfigError as error:
-        common.fail(str(error), code=2)
-    except (FloatingPointError, CheckpointMismatchError) as error:
-        common.fail(str(error))
     if is_primary():
         print(describe(summary, FLAGS.workdir))
 

@@ -179,12 +179,8 @@ class TransformerLM(nn.Module):
                 f"{tokens.dtype}{list(tokens.shape)}"
             )
         length = tokens.shape[-1]
-        if decode:
-            positions, _ = decode_positions(self, length, config.max_len)  # (T,)
-        elif length > config.max_len:
+        if not decode and length > config.max_len:
             raise ValueError(f"TransformerLM: sequence length {length} exceeds max_len={config.max_len}")
-        else:
-            positions = jnp.arange(length)  # (T,)
         token_embedding = nn.Embed(
             config.vocab_size,
             config.d_model,
@@ -196,7 +192,12 @@ class TransformerLM(nn.Module):
         position_table = self.param(
             "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
         )
-        x = token_embedding(tokens) + jnp.take(position_table, positions, axis=0)  # (..., T, D)
+        if decode:  # the positions continue from the cache
+            positions, _ = decode_positions(self, length, config.max_len)  # (T,)
+            position_embedding = jnp.take(position_table, positions, axis=0)  # (T, D)
+        else:  # a static slice: its gradient is a pad, where a gather's is a scatter-add
+            position_embedding = position_table[:length]  # (T, D)
+        x = token_embedding(tokens) + position_embedding  # (..., T, D)
         x = nn.Dropout(config.dropout_rate)(x, deterministic)
         for layer in range(config.num_layers):
             x = TransformerBlock(config, name=f"block_{layer}")(x, deterministic, decode)  # (..., T, D)

@@ -133,3 +133,56 @@ def test_sweep_command_line(tmp_path):
     assert [line for line in bad.stderr.splitlines() if line.strip()] == [
         "error: --sweep model.d_k='two': not a int"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "Sweeps",
+    "two shards (`--shard 0/2`, `--shard 1/2`) of one sweep started at the same time on one workdir, "
+    "then a plain re-run",
+    "each cell is trained once; the last shard to finish writes the results; the re-run finds nothing "
+    "left to do; results.csv has every cell exactly once",
+)
+def test_two_shards_at_once_then_a_rerun(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "experiments.sweep",
+        "--config",
+        "configs/flag_retrieval.py:multihead",
+        "--workdir",
+        str(tmp_path),
+        "--sweep",
+        "model.num_heads=1,2,4",
+        "--sweep",
+        "model.d_k=4,8",
+        "--seeds",
+        "2",
+        "--config.train.steps=40",
+        "--config.train.log_every=10",
+        "--config.eval.num_examples=16",
+        "--compilation_cache=",
+    ]
+    shards = [
+        subprocess.Popen(
+            [*args, f"--shard={i}/2"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=launcher_env(),
+        )
+        for i in range(2)
+    ]
+    outputs = [shard.communicate(timeout=600)[0] for shard in shards]
+    assert [shard.returncode for shard in shards] == [0, 0], outputs
+    trained = [line for output in outputs for line in output.splitlines() if "(mean of 2 seeds)" in line]
+    assert len(trained) == 6  # every cell trained exactly once, by one of the shards
+    assert all("being trained by another process" not in output for output in outputs)
+    assert sum("cells done" in output for output in outputs) >= 1  # the last one wrote the results
+    again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launcher_env())
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("done before, skipped") == 6 and "(mean of" not in again.stdout
+    with open(tmp_path / "results.csv") as f:
+        cells = [(row["model.num_heads"], row["model.d_k"]) for row in csv.DictReader(f)]
+    assert sorted(cells) == sorted((h, d) for h in ("1", "2", "4") for d in ("4", "8"))

@@ -72,9 +72,9 @@ def tree_digest(tree: Any) -> str:
 
 
 class Checkpoints:
-    """Save and restore train states under `directory` (kept: the newest `max_to_keep`)."""
+    """Save and restore train states under `directory` (kept: the newest `max_to_keep`; None: all)."""
 
-    def __init__(self, directory: str | pathlib.Path, max_to_keep: int = 3):
+    def __init__(self, directory: str | pathlib.Path, max_to_keep: int | None = 3):
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qkv_jax.training.loop import init_train_state, make_train_chunk
+from qkv_jax.training.memory import check_fits
 from qkv_jax.training.sharding import state_shardings
 from qkv_jax.training.task import Setup
 
@@ -58,8 +59,10 @@ class CompiledPrograms:
     `compile_seconds()` sums the finished compiles; `close()` waits for the pool.
     """
 
-    def __init__(self, setup: Setup, tx: Any, mesh: Any, keys: dict, use_checkify: bool = False):
-        self._setup, self._keys, self._use_checkify = setup, keys, use_checkify
+    def __init__(self, setup: Setup, tx: Any, mesh: Any, keys: dict, config: dict):
+        self._setup, self._keys, self._config = setup, keys, config
+        self._use_checkify = bool(config["train"].get("checkify"))
+        self._checked: set = set()
         self._init = lambda key: init_train_state(setup, tx, key)
         self.abstract_state = jax.eval_shape(self._init, keys["init"])
         self.state_sharding = state_shardings(self.abstract_state, mesh)
@@ -113,11 +116,20 @@ class CompiledPrograms:
         init = jax.jit(self._init, out_shardings=self.state_sharding)
         return init(key)
 
+    def _ready(self, name: Any, program: concurrent.futures.Future, what: str) -> Any:
+        """The compiled program, checked once to fit in memory (memory.check_fits)."""
+        compiled = program.result()[0]
+        if name not in self._checked:
+            check_fits(compiled, what, self._config)
+            self._checked.add(name)
+        return compiled
+
     def evaluate(self, params: Any) -> tuple[dict, Any]:
-        return self._evaluate_program().result()[0](params, self._keys["eval"], self._setup.data)
+        run = self._ready("evaluate", self._evaluate_program(), "the evaluation")
+        return run(params, self._keys["eval"], self._setup.data)
 
     def train_chunk(self, state: Any, first_step: int, n: int) -> tuple[Any, jax.Array]:
-        run = self._chunk_program(n).result()[0]
+        run = self._ready(("chunk", n), self._chunk_program(n), "the training step")
         started = time.perf_counter()
         outputs = jax.block_until_ready(run(state, self._keys["data"], self._setup.data))
         self.train_seconds += time.perf_counter() - started

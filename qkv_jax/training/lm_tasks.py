@@ -18,14 +18,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from qkv_jax.lm import TransformerLM
 from qkv_jax.tasks.sequences import bracket_batch, copy_batch
 from qkv_jax.training import validate
 from qkv_jax.training.loop import validate_train_config
 from qkv_jax.training.task import Setup
-from qkv_jax.training.transformer import init_params, make_model, training_logits, validate_model_config
+from qkv_jax.training.transformer import (
+    init_params,
+    make_model,
+    token_cross_entropy,
+    training_logits,
+    validate_model_config,
+)
 
 __all__ = ["SequenceTask", "SEQUENCE_TASKS", "build", "validate_config", "task_shapes", "answer_metrics"]
 
@@ -84,7 +89,7 @@ def validate_config(config: Any) -> None:
 def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
     """loss, accuracy and sequence_accuracy on the answer positions; logits `[B, L, V]`."""
     mask = batch["answer_mask"]  # (B, L)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # (B, L)
+    losses = token_cross_entropy(logits, batch["targets"])  # (B, L)
     right = (jnp.argmax(logits, axis=-1) == batch["targets"]) | ~mask  # (B, L)
     return {
         "loss": jnp.sum(losses * mask) / jnp.sum(mask),

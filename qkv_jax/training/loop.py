@@ -37,6 +37,7 @@ __all__ = [
     "init_train_state",
     "make_train_chunk",
     "chunk_length",
+    "kept_checkpoints",
     "train_chunks",
     "logged_losses",
     "seed_keys",
@@ -61,12 +62,18 @@ def validate_train_config(config: Any) -> None:
     for field in ("weight_decay", "grad_clip_norm"):
         if train.get(field) is not None and train[field] < 0:
             raise ConfigError(f"train.{field}={train[field]!r}: must be >= 0")
-    if "warmup_steps" in train:
-        validate.require_nonnegative_int(config, "train.warmup_steps")
+    for field in ("warmup_steps", "keep_checkpoints"):
+        if field in train:
+            validate.require_nonnegative_int(config, f"train.{field}")
     if "schedule" in train:
         validate.require_choice(config, "train.schedule", SCHEDULES)
     if "checkify" in train:
         validate.require_bool(config, "train.checkify")
+
+
+def kept_checkpoints(train: dict) -> int | None:
+    """orbax's max_to_keep from `train.keep_checkpoints` (0 = all: None); 3 when unset."""
+    return train.get("keep_checkpoints", 3) or None
 
 
 def make_optimizer(train: Any) -> optax.GradientTransformation:

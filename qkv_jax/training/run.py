@@ -27,10 +27,27 @@ from jax.experimental import multihost_utils
 
 from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree, restore_train_state
 from qkv_jax.training.compiled import CompiledPrograms
-from qkv_jax.training.loop import chunk_length, logged_losses, make_optimizer, seed_keys, train_chunks
+from qkv_jax.training.loop import (
+    chunk_length,
+    kept_checkpoints,
+    logged_losses,
+    make_optimizer,
+    seed_keys,
+    train_chunks,
+)
+from qkv_jax.training.preemption import Preempted, StopSignals
 from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, to_host
 from qkv_jax.training.task import Setup, build_setup, to_dict
-from qkv_jax.training.workdir import RUN_OUTPUTS, MetricsWriter, prepare_workdir, read_metrics, write_json
+from qkv_jax.training.workdir import (
+    RUN_OUTPUTS,
+    MetricsWriter,
+    WorkdirLock,
+    check_writable,
+    disk_full_guard,
+    prepare_workdir,
+    read_metrics,
+    write_json,
+)
 
 __all__ = ["Run", "train_and_evaluate"]
 
@@ -48,6 +65,8 @@ class Run:
     checkpoints: Checkpoints
     primary: bool
     started: float
+    lock: WorkdirLock | None
+    stop: StopSignals
     timings: dict = dataclasses.field(default_factory=dict)
     metrics: MetricsWriter | None = None
     pictures_before: Any = None
@@ -57,6 +76,15 @@ class Run:
             self.metrics.close()
         self.checkpoints.close()
         self.programs.close()
+        self.stop.restore()
+        if self.lock is not None:
+            self.lock.release()
+
+    def kept(self) -> str:
+        """What a failed write leaves: the newest checkpoint, and the metrics up to it."""
+        saved = self.checkpoints.all_steps()
+        newest = f"the checkpoint of step {saved[-1]}" if saved else "no checkpoint yet"
+        return f"{newest} and metrics.jsonl up to it are kept in {self.workdir}"
 
 
 def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
@@ -112,18 +140,38 @@ def start_run(config: dict, workdir: pathlib.Path) -> Run:
     setup = build_setup(config)
     mesh = make_mesh(*mesh_shape(config))
     primary = is_primary()
-    if primary:
-        outputs = RUN_OUTPUTS + setup.outputs
-        prepare_workdir(workdir, config, overwrite=config["train"]["overwrite"], outputs=outputs)
+    lock = claim_workdir(workdir, config, setup) if primary else None
     _barrier("workdir ready")
     keys = seed_keys(config["seed"])
-    tx = make_optimizer(config["train"])
-    programs = CompiledPrograms(setup, tx, mesh, keys, use_checkify=bool(config["train"].get("checkify")))
+    programs = CompiledPrograms(setup, make_optimizer(config["train"]), mesh, keys, config)
     programs.start(first_chunk=None)
     if setup.report is not None and primary:  # matplotlib's import, meanwhile
         programs.submit(__import__, "qkv_jax.plots")
-    checkpoints = Checkpoints(workdir / "checkpoints")
-    return Run(config, setup, workdir, keys, mesh, programs, checkpoints, primary, started)
+    checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(config["train"]))
+    stop = StopSignals().install()
+    return Run(config, setup, workdir, keys, mesh, programs, checkpoints, primary, started, lock, stop)
+
+
+def claim_workdir(workdir: pathlib.Path, config: dict, setup: Setup) -> WorkdirLock:
+    """Creates the workdir, takes its lock (WorkdirBusyError naming a live holder), then checks
+    and writes its config.json (see `prepare_workdir`)."""
+    with disk_full_guard(f"the lock and config.json of {workdir}", "nothing else was written"):
+        check_writable(workdir)
+        lock = WorkdirLock(workdir)
+        previous = lock.acquire()
+        try:
+            outputs = RUN_OUTPUTS + setup.outputs
+            prepare_workdir(workdir, config, overwrite=config["train"]["overwrite"], outputs=outputs)
+        except BaseException:
+            lock.release()
+            raise
+    if previous is not None:
+        logging.warning(
+            "%s",
+            f"took over {lock.path}, left by pid {previous.get('pid')} on host {previous.get('host')}, "
+            "which is no longer running",
+        )
+    return lock
 
 
 def restore_or_init(run: Run) -> tuple[Any, Any, int]:
@@ -180,14 +228,21 @@ def train(run: Run, state: Any, start_step: int) -> Any:
     metrics = run.metrics = MetricsWriter(run.workdir / "metrics.jsonl", start_step, log_every, run.primary)
     progress = _Progress(steps, start_step, enabled=run.primary)
 
+    boundaries = iter(range(1 << 62))  # the chunk boundaries of this launch, for StopSignals
+
     def after_chunk(first_step: int, losses: np.ndarray, state: Any) -> None:
         _check_finite(run, first_step, losses)
-        for step, loss in logged_losses(first_step, losses, log_every, steps):
-            metrics.write({"step": step, "loss": float(loss)})
+        with disk_full_guard(f"{metrics.path}", run.kept()):
+            for step, loss in logged_losses(first_step, losses, log_every, steps):
+                metrics.write({"step": step, "loss": float(loss)})
         end = first_step + len(losses)
         progress.update(len(losses), float(losses[-1]))
-        if end % train_config["checkpoint_every"] == 0 or end == steps:
-            run.checkpoints.save(end, checkpoint_tree(state))
+        stop = run.stop.reached(next(boundaries))
+        if end % train_config["checkpoint_every"] == 0 or end == steps or stop:
+            with disk_full_guard(f"checkpoint step {end} in {run.checkpoints.directory}", run.kept()):
+                run.checkpoints.save(end, checkpoint_tree(state))
+        if stop and end < steps:
+            raise Preempted(end, run.stop.received or "a signal", str(run.checkpoints.directory))
 
     try:
         state = train_chunks(
@@ -246,15 +301,17 @@ def write_outputs(run: Run, summary: dict, examples_after: Any) -> None:
     evaluation scalars to TensorBoard."""
     if run.pictures_before is not None and run.setup.report is not None:
         started = time.perf_counter()
-        summary.update(run.pictures_before.result())
-        summary.update(run.setup.report(run.workdir, "after", examples_after))
+        with disk_full_guard(f"the pictures in {run.workdir}", "the final checkpoint is kept"):
+            summary.update(run.pictures_before.result())
+            summary.update(run.setup.report(run.workdir, "after", examples_after))
         run.timings["report_s"] = time.perf_counter() - started
     run.timings["compile_s"] = run.programs.compile_seconds()
     run.timings["train_loop_s"] = run.programs.train_seconds
     summary["wall_time_s"] = time.perf_counter() - run.started
     summary["timings"] = run.timings
     if run.primary:
-        write_json(run.workdir / "summary.json", summary)
+        with disk_full_guard(f"{run.workdir / 'summary.json'}", "the final checkpoint is kept"):
+            write_json(run.workdir / "summary.json", summary)
     _barrier("summary written")
 
 

@@ -4,10 +4,16 @@
 single run uses over a leading seed axis (init and data keys), and the same
 loop (`loop.train_chunks`) calls them, so seed i of a vmapped run follows the
 same steps as a run with seed i alone.
+
+Given a `workdir` (a sweep's cell), the seeds' states are checkpointed there
+every `train.checkpoint_every` steps and the logged losses kept in
+`curves.jsonl`, so a cell stopped by a signal (`StopSignals`) or killed
+resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,26 +22,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree, restore_train_state
 from qkv_jax.training.compiled import compile_for_platform
 from qkv_jax.training.loop import (
+    chunk_length,
     init_train_state,
+    kept_checkpoints,
     logged_losses,
     make_optimizer,
     make_train_chunk,
     seed_keys,
     train_chunks,
 )
-from qkv_jax.training.task import build_setup, to_dict
+from qkv_jax.training.preemption import Preempted, StopSignals
+from qkv_jax.training.task import Setup, build_setup, to_dict
+from qkv_jax.training.workdir import MetricsWriter, read_metrics
 
 __all__ = ["train_seeds"]
 
 
-def train_seeds(config: Any, seeds: Sequence[int]) -> dict:
+def train_seeds(
+    config: Any,
+    seeds: Sequence[int],
+    *,
+    setup: Setup | None = None,
+    workdir: str | pathlib.Path | None = None,
+    stop: StopSignals | None = None,
+) -> dict:
     """Trains `config` once per seed, all seeds in one vmapped program.
 
-    `config.seed` is ignored; `seeds` replaces it. A seed whose loss stops
-    being finite keeps training (its numbers become nan) and is reported in
-    `diverged`, so one bad seed does not stop the others.
+    `config.seed` is ignored; `seeds` replaces it. `setup` is `config`'s
+    (built here when None). A seed whose loss stops being finite keeps
+    training (its numbers become nan) and is reported in `diverged`, so one
+    bad seed does not stop the others. With `workdir`, training resumes from
+    its checkpoint and, when `stop` reaches a boundary, saves one and raises
+    `Preempted`.
 
     Returns a dict with, per seed (lists in the order of `seeds`):
       final_loss, metrics {name: [...]}, untrained_metrics {name: [...]},
@@ -45,41 +66,23 @@ def train_seeds(config: Any, seeds: Sequence[int]) -> dict:
     """
     started = time.perf_counter()
     config = to_dict(config)
-    setup = build_setup(config)
-    steps, log_every = config["train"]["steps"], config["train"]["log_every"]
+    setup = build_setup(config) if setup is None else setup
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("train_seeds: no seeds given")
     keys = jax.vmap(seed_keys)(jnp.asarray(seeds))  # {name: (num_seeds, 2)}
     tx = make_optimizer(config["train"])
-    states = jax.jit(jax.vmap(lambda key: init_train_state(setup, tx, key)))(keys["init"])
+    initial = jax.jit(jax.vmap(lambda key: init_train_state(setup, tx, key)))(keys["init"])
     evaluate = jax.jit(jax.vmap(setup.evaluate, in_axes=(0, 0, None)))
-    chunks: dict[int, Any] = {}
-
-    def compiled_chunk(n: int) -> Any:
-        if n not in chunks:
-            vmapped = jax.vmap(make_train_chunk(setup, n), in_axes=(0, 0, None))
-            chunks[n] = compile_for_platform(jax.jit(vmapped), states, keys["data"], setup.data)
-        return chunks[n]
-
-    def run_chunk(states: Any, first_step: int, n: int) -> tuple[Any, jax.Array]:
-        return compiled_chunk(n)(states, keys["data"], setup.data)
+    chunks = _VmappedChunks(setup, keys, initial)
 
     t = time.perf_counter()
-    compiled_chunk(min(log_every, steps))
-    untrained, _ = jax.device_get(evaluate(states.params, keys["eval"], setup.data))
+    untrained, _ = jax.device_get(evaluate(initial.params, keys["eval"], setup.data))
+    chunks.compiled(min(_chunk_length(config["train"]), config["train"]["steps"]))
     compile_s = time.perf_counter() - t
 
-    logged: list[tuple[int, np.ndarray]] = []  # (step, losses [num_seeds])
     t = time.perf_counter()
-    states = train_chunks(
-        states,
-        run_chunk,
-        start_step=0,
-        steps=steps,
-        chunk_length=log_every,
-        after_chunk=lambda first, losses, _: logged.extend(logged_losses(first, losses, log_every, steps)),
-    )
+    states, logged = _train(config, chunks, initial, workdir, stop or StopSignals())
     train_s = time.perf_counter() - t
     trained, _ = jax.device_get(evaluate(states.params, keys["eval"], setup.data))
     curves = np.stack([losses for _, losses in logged], axis=1)  # (num_seeds, num_logged)
@@ -96,3 +99,76 @@ def train_seeds(config: Any, seeds: Sequence[int]) -> dict:
         "train_s": train_s,
         "wall_time_s": time.perf_counter() - started,
     }
+
+
+def _chunk_length(train: dict) -> int:
+    return chunk_length(train["log_every"], train["checkpoint_every"])
+
+
+class _VmappedChunks:
+    """The vmapped training chunk of each length, compiled once."""
+
+    def __init__(self, setup: Setup, keys: dict, states: Any):
+        self._setup, self._keys, self._states = setup, keys, states
+        self._compiled: dict[int, Any] = {}
+
+    def compiled(self, n: int) -> Any:
+        if n not in self._compiled:
+            vmapped = jax.vmap(make_train_chunk(self._setup, n), in_axes=(0, 0, None))
+            args = (self._states, self._keys["data"], self._setup.data)
+            self._compiled[n] = compile_for_platform(jax.jit(vmapped), *args)
+        return self._compiled[n]
+
+    def __call__(self, states: Any, first_step: int, n: int) -> tuple[Any, jax.Array]:
+        return self.compiled(n)(states, self._keys["data"], self._setup.data)
+
+
+def _train(
+    config: dict, chunks: _VmappedChunks, initial: Any, workdir: Any, stop: StopSignals
+) -> tuple[Any, list[tuple[int, np.ndarray]]]:
+    """(trained states, [(step, losses [num_seeds])] logged), resuming in `workdir` if given."""
+    train = config["train"]
+    steps, log_every, checkpoint_every = train["steps"], train["log_every"], train["checkpoint_every"]
+    if workdir is None:
+        logged: list[tuple[int, np.ndarray]] = []
+        states = train_chunks(
+            initial,
+            chunks,
+            start_step=0,
+            steps=steps,
+            chunk_length=_chunk_length(train),
+            after_chunk=lambda first, losses, _: logged.extend(
+                logged_losses(first, losses, log_every, steps)
+            ),
+        )
+        return states, logged
+    workdir = pathlib.Path(workdir)
+    checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(train))
+    restored = restore_train_state(checkpoints, initial)
+    states, start_step = (initial, 0) if restored is None else (restored[1], restored[0])
+    curves = MetricsWriter(workdir / "curves.jsonl", start_step, log_every, tensorboard=False)
+    boundaries = iter(range(1 << 62))
+
+    def after_chunk(first_step: int, losses: np.ndarray, states: Any) -> None:
+        for step, seed_losses in logged_losses(first_step, losses, log_every, steps):
+            curves.write({"step": step, "loss": seed_losses.tolist()})
+        end = first_step + losses.shape[-1]
+        halt = stop.reached(next(boundaries))
+        if end % checkpoint_every == 0 or end == steps or halt:
+            checkpoints.save(end, checkpoint_tree(states))
+        if halt and end < steps:
+            raise Preempted(end, stop.received or "a signal", str(checkpoints.directory))
+
+    try:
+        states = train_chunks(
+            states,
+            chunks,
+            start_step=start_step,
+            steps=steps,
+            chunk_length=_chunk_length(train),
+            after_chunk=after_chunk,
+        )
+    finally:
+        curves.close()
+        checkpoints.close()
+    return states, [(r["step"], np.asarray(r["loss"])) for r in read_metrics(workdir / "curves.jsonl")]

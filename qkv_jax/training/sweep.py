@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -25,12 +26,21 @@ from typing import Any
 
 import numpy as np
 
+from qkv_jax.training.preemption import StopSignals
 from qkv_jax.training.seeds import train_seeds
 from qkv_jax.training.task import build_setup, to_dict
 from qkv_jax.training.validate import ConfigError, get_field
-from qkv_jax.training.workdir import prepare_workdir, write_json
+from qkv_jax.training.workdir import WorkdirBusyError, WorkdirLock, prepare_workdir, write_json
 
-__all__ = ["grid", "cell_name", "apply_overrides", "parse_sweep_arg", "run_sweep", "summarize"]
+__all__ = [
+    "grid",
+    "cell_name",
+    "apply_overrides",
+    "parse_sweep_arg",
+    "parse_shard",
+    "run_sweep",
+    "summarize",
+]
 
 LOSS_THRESHOLD = 1e-2  # "converged" for the steps-to-threshold column
 SWEEP_OUTPUTS = ("sweep.json", "cells", "results.json", "results.csv", "results.md")
@@ -101,6 +111,20 @@ def parse_sweep_arg(text: str, config: dict) -> tuple[str, list[Any]]:
     return field, parsed
 
 
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """'I/N' -> (I, N), with 0 <= I < N; None stays None."""
+    if text is None:
+        return None
+    index, _, count = text.partition("/")
+    try:
+        shard = int(index), int(count)
+    except ValueError:
+        raise ConfigError(f"--shard={text!r}: expected I/N, e.g. 0/4") from None
+    if not 0 <= shard[0] < shard[1]:
+        raise ConfigError(f"--shard={text!r}: needs 0 <= I < N")
+    return shard
+
+
 def _stats(values: Iterable[float]) -> dict[str, float]:
     array = np.asarray(list(values), dtype=float)
     return {
@@ -152,12 +176,16 @@ def run_sweep(
     *,
     metric: str = "final_loss",
     overwrite: bool = False,
+    shard: tuple[int, int] | None = None,
     log: Any = print,
 ) -> list[dict]:
-    """Trains every cell of `sweep` over `seeds`; skips cells already in the workdir.
+    """Trains every cell of `sweep` over `seeds` (with `shard` = (i, n), only the cells whose
+    index is i mod n); skips cells already finished, and cells another live process is
+    training (each cell is claimed with a `WorkdirLock` on cells/<name>/).
 
     Invalid cells (the config check fails) are rows with status "skipped" and
-    the reason. Returns the rows and writes the results files.
+    the reason. Once every cell is finished, whichever process finishes last
+    writes the results files. Returns the rows of the finished cells.
     """
     base = to_dict(config)
     cells = grid(sweep)
@@ -173,30 +201,86 @@ def run_sweep(
     )
     cell_dir = workdir / "cells"
     cell_dir.mkdir(exist_ok=True)
-    rows = []
-    for index, cell in enumerate(cells):
+    mine = [i for i in range(len(cells)) if shard is None or i % shard[1] == shard[0]]
+    stop = StopSignals().install()  # SIGTERM/SIGINT: the running cell checkpoints and the sweep stops
+    try:
+        runner = _Cells(base, seeds, cell_dir, metric, stop, log)
+        for i in mine:
+            runner.run(cells[i], f"[{i + 1}/{len(cells)}]")
+    finally:
+        stop.restore()
+    return _collect_results(workdir, cells, metric, log)
+
+
+@dataclasses.dataclass
+class _Cells:
+    """How the cells of one sweep launch are trained."""
+
+    base: dict
+    seeds: Sequence[int]
+    directory: pathlib.Path  # the sweep's cells/
+    metric: str
+    stop: StopSignals
+    log: Any
+
+    def run(self, cell: dict, tag: str) -> None:
+        """Trains `cell` into cells/<name>/ (resuming from its checkpoint) and writes its row to
+        cells/<name>.json, unless it is finished or another live process holds its lock."""
         name = cell_name(cell)
-        path = cell_dir / f"{name}.json"
-        if path.exists():
-            rows.append(json.loads(path.read_text()))
-            log(f"[{index + 1}/{len(cells)}] {name}: done before, skipped")
-            continue
+        (self.directory / name).mkdir(exist_ok=True)
+        lock = WorkdirLock(self.directory / name)
         try:
-            cell_config = apply_overrides(base, cell)
-            build_setup(cell_config)
+            lock.acquire()
+        except WorkdirBusyError:
+            self.log(f"{tag} {name}: being trained by another process, left to it")
+            return
+        try:
+            path = self.directory / f"{name}.json"
+            if path.exists():
+                self.log(f"{tag} {name}: done before, skipped")
+                return
+            write_json(path, self.row(cell, tag))
+        finally:
+            lock.release()
+
+    def row(self, cell: dict, tag: str) -> dict:
+        """The results row of a cell: trained over the seeds, or skipped with the config check's reason."""
+        name = cell_name(cell)
+        try:
+            cell_config = apply_overrides(self.base, cell)
+            setup = build_setup(cell_config)
         except ConfigError as error:
-            row: dict[str, Any] = {"cell": cell, "status": "skipped", "reason": str(error)}
-            log(f"[{index + 1}/{len(cells)}] {name}: skipped ({error})")
-        else:
-            row = summarize(cell, train_seeds(cell_config, seeds))
-            value = row.get(f"{metric}_stats", row["final_loss_stats"])["mean"]
-            log(
-                f"[{index + 1}/{len(cells)}] {name}: {metric} {value:.4g} (mean of "
-                f"{len(seeds)} seeds), {row['wall_time_s']:.1f} s"
-            )
-        write_json(path, row)
-        rows.append(row)
-    write_results(workdir, rows, metric)
+            self.log(f"{tag} {name}: skipped ({error})")
+            return {"cell": cell, "status": "skipped", "reason": str(error)}
+        result = train_seeds(
+            cell_config, self.seeds, setup=setup, workdir=self.directory / name, stop=self.stop
+        )
+        row = summarize(cell, result)
+        value = row.get(f"{self.metric}_stats", row["final_loss_stats"])["mean"]
+        seconds = row["wall_time_s"]
+        self.log(
+            f"{tag} {name}: {self.metric} {value:.4g} (mean of {len(self.seeds)} seeds), {seconds:.1f} s"
+        )
+        return row
+
+
+def _collect_results(workdir: pathlib.Path, cells: list[dict], metric: str, log: Any) -> list[dict]:
+    """The finished cells' rows; the results files once all are finished (one writer at a time)."""
+    paths = [workdir / "cells" / f"{cell_name(cell)}.json" for cell in cells]
+    rows = [json.loads(path.read_text()) for path in paths if path.exists()]
+    if len(rows) < len(cells):
+        log(f"{len(cells) - len(rows)} of {len(cells)} cells not finished yet; results when they are")
+        return rows
+    lock = WorkdirLock(workdir)
+    try:
+        lock.acquire()
+    except WorkdirBusyError:
+        log("another process is writing the results")
+        return rows
+    try:
+        write_results(workdir, rows, metric)
+    finally:
+        lock.release()
     return rows
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from qkv_jax.attention import IMPLEMENTATIONS
 from qkv_jax.lm import TransformerConfig, TransformerLM
@@ -25,6 +24,7 @@ __all__ = [
     "make_model",
     "validate_model_config",
     "cross_entropy",
+    "token_cross_entropy",
     "init_params",
     "training_logits",
 ]
@@ -76,9 +76,22 @@ def validate_model_config(config: Any, seq_len: int, source: str) -> None:
         )
 
 
+def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Cross-entropy in nats at each position `[..., T]`: logits `[..., T, V]`, targets `[..., T]`.
+
+    Written as logsumexp minus the target's logit picked by a one-hot product:
+    its gradient is softmax minus one-hot, where a gather of the target logit
+    (optax's form) has a scatter-add for a gradient, which XLA constant-folds
+    for seconds at large batches.
+    """
+    logits = logits.astype(jnp.float32)
+    target_logits = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - target_logits
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats: logits `[..., T, V]`, targets `[..., T]`."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return token_cross_entropy(logits, targets).mean()
 
 
 def init_params(model: TransformerLM, seq_len: int, key: jax.Array) -> Any:

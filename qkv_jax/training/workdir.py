@@ -1,18 +1,25 @@
-"""The files of a run's workdir: config.json, metrics.jsonl, summary.json.
+"""The files of a run's workdir: config.json, metrics.jsonl, summary.json, and its lock.
 
 Writes are atomic (temporary file + rename) so a killed run never leaves a
-half-written JSON file; metrics lines are flushed one by one.
+half-written JSON file; metrics lines are flushed one by one. One process
+trains in a workdir at a time (`WorkdirLock`); a write that finds the disk
+full becomes a `DiskFullError` naming what was being written and what is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import pathlib
 import shutil
+import socket
+import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from absl import logging
@@ -23,6 +30,11 @@ from qkv_jax.training.validate import ConfigError
 __all__ = [
     "RESUMABLE_FIELDS",
     "RUN_OUTPUTS",
+    "DiskFullError",
+    "WorkdirBusyError",
+    "WorkdirLock",
+    "check_writable",
+    "disk_full_guard",
     "prepare_workdir",
     "write_json",
     "read_metrics",
@@ -35,6 +47,7 @@ RESUMABLE_FIELDS = (
     "train.steps",
     "train.log_every",
     "train.checkpoint_every",
+    "train.keep_checkpoints",
     "train.overwrite",
     "train.progress",
     "eval.",
@@ -43,6 +56,112 @@ RESUMABLE_FIELDS = (
 # Outputs every run owns (a task adds its own, `Setup.outputs`); with
 # train.overwrite=True they are moved aside, not deleted.
 RUN_OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "report.json")
+
+
+LOCK_FILE = ".lock"
+
+
+class WorkdirBusyError(RuntimeError):
+    """Another live process is training in the workdir."""
+
+
+class DiskFullError(OSError):
+    """A write into the workdir found no space left; the message says what is kept."""
+
+
+class WorkdirLock:
+    """One training process per workdir: a POSIX record lock (`fcntl.lockf`) on `<workdir>/.lock`.
+
+    The kernel (or NFS's lock manager) releases the lock when its process dies,
+    however it dies, so a lock left by a killed run is free to take; the file
+    names the holder (host, pid, start time, command) for the message to the
+    next launch. Written here rather than taken from a library: `filelock`
+    uses `flock`, which NFS clients do not share across hosts, and it keeps no
+    holder to name.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path):
+        self.path = pathlib.Path(workdir) / LOCK_FILE
+        self._file: Any = None
+
+    def acquire(self) -> dict | None:
+        """Takes the lock; returns the previous holder's record when a dead process left
+        one (None otherwise). WorkdirBusyError names a live holder."""
+        file = open(self.path, "a+")
+        try:
+            fcntl.lockf(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            file.close()
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                return None  # a filesystem without locks: train unguarded rather than not at all
+            raise WorkdirBusyError(self._busy_message()) from None
+        file.seek(0)
+        previous = _parse_holder(file.read())
+        self._file = file
+        try:
+            file.seek(0)
+            file.truncate()
+            json.dump(_this_process(), file)
+            file.flush()
+        except OSError:
+            self.release()
+            raise
+        return previous
+
+    def _busy_message(self) -> str:
+        holder = _parse_holder(self.path.read_text()) or {}
+        return (
+            f"workdir={str(self.path.parent)!r} is in use: pid {holder.get('pid', '?')} on host "
+            f"{holder.get('host', '?')} (started {holder.get('started', '?')}) is training there; "
+            "wait for it, stop it, or use another workdir"
+        )
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()  # a clean exit leaves no holder behind
+            self._file.close()  # closing releases the lock
+            self._file = None
+
+
+def _this_process() -> dict:
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": started, "command": sys.argv}
+
+
+def _parse_holder(text: str) -> dict | None:
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+@contextlib.contextmanager
+def disk_full_guard(what: str, kept: str) -> Iterator[None]:
+    """Turns a full disk (ENOSPC, EDQUOT) while writing `what` into one DiskFullError:
+    "no space left on the device writing <what>; <kept>; free space and run the same
+    command to resume"."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as error:  # orbax and tensorstore wrap OS errors in their own types
+        if not _is_disk_full(error):
+            raise
+        raise DiskFullError(
+            f"no space left on the device writing {what}; {kept}; free space and resume"
+        ) from None
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -80,7 +199,8 @@ def _differences(saved: dict, current: dict, resumable: tuple[str, ...]) -> list
     return changed
 
 
-def _check_writable(workdir: pathlib.Path) -> None:
+def check_writable(workdir: pathlib.Path) -> None:
+    """Creates `workdir`; ConfigError naming it when it cannot be written."""
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=workdir):
@@ -110,7 +230,7 @@ def prepare_workdir(
     workdir = pathlib.Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"workdir={str(workdir)!r}: exists and is not a directory")
-    _check_writable(workdir)
+    check_writable(workdir)
     saved_path = workdir / config_name
     if saved_path.exists():
         try:
@@ -161,7 +281,14 @@ class MetricsWriter:
     file equals an uninterrupted run's.
     """
 
-    def __init__(self, path: str | pathlib.Path, start_step: int, log_every: int, enabled: bool = True):
+    def __init__(
+        self,
+        path: str | pathlib.Path,
+        start_step: int,
+        log_every: int,
+        enabled: bool = True,
+        tensorboard: bool = True,
+    ):
         self.path = pathlib.Path(path)
         self.enabled = enabled
         self.last_step = start_step - 1  # of the last record written
@@ -175,6 +302,8 @@ class MetricsWriter:
         ]
         self._write_all(kept)
         self._file = open(self.path, "a")
+        if not tensorboard:
+            return
         try:
             self._tensorboard = EventWriter(self.path.parent / "tensorboard", purge_step=start_step)
         except ImportError:  # an environment without the `tensorboard` package: metrics.jsonl only
