@@ -4,6 +4,7 @@ r"""Attention time and memory: our paths against jax.nn, Flax and PyTorch.
   python benchmarks/attention.py --lengths 128,512 --quick  # a few minutes
   python benchmarks/attention.py --tune-blocks --lengths 1024,2048
   python benchmarks/attention.py --gpu [--dry-run]          # benchmarks/gpu.sh; --dry-run: tiny, any device
+  python benchmarks/attention.py --gpu-check [--dry-run] [--out FILE]  # benchmarks/gpu_check.sh
 
 CPU run: batch 8, 8 heads, head dim 64, float32, T = S in --lengths (default
 64, the dispatch threshold, and the issue's 128 to 8192), causal
@@ -28,6 +29,16 @@ malloc, when tcmalloc is installed. GFLOP/s count useful work: forward
 that, recomputation not counted. The ceiling is the measured float32 matmul
 rate (2048 x 2048) of JAX and of PyTorch on the same threads.
 
+GPU run (--gpu): the cases that matter first (bf16 causal forward+backward at
+T 4096 and 16384 with B4 N16 H128, then forward, full attention, B8 T1024 N16
+H64, padding by lengths, a bias, a boolean mask, causal T != S, float32), each
+through our default path, jax.nn's cuDNN kernel called directly with the same
+masking, and torch's SDPA on CUDA in the same process; every time is per call
+with dispatch amortised (calls queued back to back in each timed region).
+TFLOP/s and the share of the H200's dense peak per cell; new cases stop after
+--budget-s. --gpu-check: every kind of call the dispatch rule sends to cuDNN,
+outputs and gradients against the reference path on the device.
+
 Writes benchmarks/results/attention.json (attention_blocks.json with
 --tune-blocks, attention_gpu.json with --gpu); `python -m benchmarks.report`
 renders docs/benchmarks.md from them.
@@ -36,6 +47,7 @@ renders docs/benchmarks.md from them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -44,6 +56,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -58,8 +72,6 @@ PASSES = ("fwd", "fwd+bwd")
 # Peak resident memory of the materialising paths in float32 [B, N, T, S] buffers: jax.nn
 # peaked at 5.7 GiB forward and 11.3 GiB with backward at T = 2048 (1 GiB per buffer).
 BUFFERS_NEEDED = {"fwd": 6, "fwd+bwd": 12}
-GPU_PEAK_TFLOPS = {"bfloat16": 989.0, "float32": 67.0}  # H200 SXM, dense
-GPU_IMPLS = ("default", "chunked", "xla", "jax.nn", "jax.nn-cudnn")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -505,107 +517,532 @@ def tune_blocks(args) -> None:
 
 # ----------------------------------------------------------------------------- GPU
 
+# Dense peaks of the H200 SXM, from NVIDIA's H200 datasheet (nvidia.com/en-us/data-center/h200):
+# BF16/FP16 Tensor Core 1,979 TFLOP/s is quoted with 2:4 sparsity, so 989 dense; FP32 67.
+GPU_PEAK_TFLOPS = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}
+GPU_PEAK_SOURCE = "NVIDIA H200 SXM datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense; FP32 67"
+GPU_IMPLS = ("default", "cudnn", "torch", "chunked", "jax.nn")
+GPU_IMPL_NAMES = {
+    "default": "qkv_jax default",
+    "cudnn": 'jax.nn "cudnn"',
+    "torch": "torch SDPA",
+    "chunked": "qkv_jax chunked",
+    "jax.nn": 'jax.nn "xla"',
+}
+GPU_TIMED_REGION_S = 0.05  # calls per timed region: enough to fill this many seconds
+GPU_ROUNDS = 5  # timed regions per case; the median is reported
 
-def gpu_case(impl, dtype, T, causal, pass_, rounds, shape) -> dict:
-    """Median seconds of one case on the default device, or the error it raised."""
+
+@dataclasses.dataclass(frozen=True)
+class GpuCase:
+    """One GPU attention case: inputs `[B, T|S, N, H]` in `dtype`, a masking, a pass."""
+
+    dtype: str
+    batch: int
+    heads: int
+    head_dim: int
+    T: int
+    S: int
+    causal: bool
+    masking: str  # "none", "lengths" (key_value_seq_lengths), "bias" or "mask" ([B, 1, T, S])
+    pass_: str
+    impls: tuple[str, ...]
+
+    def key_lengths(self) -> list[int]:
+        """Key lengths from S down to S/2 across the batch (the "lengths" masking)."""
+        return [self.S - (self.S // 2) * b // max(self.batch - 1, 1) for b in range(self.batch)]
+
+    def pairs(self) -> float:
+        """(query, key) pairs computed per batch element and head: causal and lengths
+        leave some out; a bias or a mask does not (cuDNN computes every pair)."""
+        lengths = self.key_lengths() if self.masking == "lengths" else [self.S] * self.batch
+        rows = np.arange(self.T)
+        total = 0
+        for length in lengths:
+            seen = np.minimum(rows + 1 + self.S - self.T, length) if self.causal else np.full(self.T, length)
+            total += int(np.clip(seen, 0, None).sum())
+        return total / self.batch
+
+    def flops(self) -> float:
+        """4 B N H per pair forward; forward+backward counts 3.5x that."""
+        return (
+            4.0
+            * self.batch
+            * self.heads
+            * self.head_dim
+            * self.pairs()
+            * (3.5 if self.pass_ == "fwd+bwd" else 1)
+        )
+
+    def describe(self) -> dict:
+        fields = dataclasses.asdict(self)
+        fields.pop("impls")
+        return fields
+
+
+def gpu_cases(dry_run: bool) -> list[GpuCase]:
+    """The cases in order of importance (the budget cuts the tail): bf16 causal training
+    at 4096 and 16384, bf16 forward, full attention, the masked variants, then float32."""
+    long = (2, 2, 64) if dry_run else (4, 16, 128)  # batch, heads, head_dim
+    short = (2, 2, 64) if dry_run else (8, 16, 64)
+    T1, T2, T_short = (64, 128, 32) if dry_run else (4096, 16384, 1024)
+    peers = ("default", "cudnn", "torch")
+    cases = []
+
+    def add(shape, T, S, causal, masking, impls, dtype="bfloat16", passes=PASSES[::-1]):
+        for pass_ in passes:
+            cases.append(GpuCase(dtype, *shape, T, S, causal, masking, pass_, impls))
+
+    add(long, T1, T1, True, "none", (*peers, "chunked"))
+    add(long, T2, T2, True, "none", peers)
+    add(long, T1, T1, False, "none", peers)
+    add(short, T_short, T_short, False, "none", peers)
+    add(short, T_short, T_short, True, "none", peers)
+    add(long, T1, T1, False, "lengths", peers)
+    add(long, T1, T1, True, "lengths", peers)
+    add(long, T1, T1, False, "bias", peers)
+    add(long, T1, T1, False, "mask", peers)
+    add(long, T1 // 8, T1, True, "none", peers)  # causal T != S: bottom-right, as a mask for cuDNN
+    add(long, T1, T1, True, "none", ("default", "torch", "jax.nn"), dtype="float32")
+    return cases
+
+
+def jax_masking(case: GpuCase, ours: bool) -> dict:
+    """Keyword arguments of the case's masking, for qkv_jax (`ours`) or for jax.nn.
+
+    jax.nn's causal triangle is top-left aligned: with T != S it gets qkv_jax's
+    bottom-right triangle as a boolean mask (which cuDNN then reads as a bias).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import qkv_jax
+
+    kwargs: dict = {"is_causal": case.causal}
+    shape = (case.batch, 1, case.T, case.S)
+    if case.masking == "lengths":
+        kwargs["key_value_seq_lengths"] = jnp.asarray(case.key_lengths(), jnp.int32)
+    elif case.masking == "bias":
+        kwargs["bias"] = jax.random.normal(jax.random.PRNGKey(1), shape, case.dtype)
+    elif case.masking == "mask":
+        kwargs["mask"] = jax.random.bernoulli(jax.random.PRNGKey(1), 0.9, shape)
+    if case.causal and case.T != case.S and not ours:
+        kwargs.update(is_causal=False, mask=qkv_jax.causal_mask(case.T, case.S)[None, None])
+    return kwargs
+
+
+def jax_gpu_step(case: GpuCase, impl: str):
+    """A zero-argument callable running one jitted call of the case, a wait, and the path taken."""
+    import functools
+
     import jax
 
-    batch, heads, head_dim = shape
+    import qkv_jax
+
+    inputs = jax_inputs(case.T, case.S, case.dtype, case.batch, case.heads, case.head_dim)
+    precision = "highest" if case.dtype == "float32" else None  # float32 as float32: no TF32
+    masking = jax_masking(case, ours=impl in ("default", "chunked"))
+    if impl in ("default", "chunked"):
+        implementation = None if impl == "default" else "chunked"
+        attend = functools.partial(
+            qkv_jax.dot_product_attention, implementation=implementation, precision=precision, **masking
+        )
+        path = implementation or qkv_jax.select_implementation(
+            *inputs, mask=masking.get("mask"), bias=masking.get("bias"), is_causal=case.causal
+        )
+    else:
+        backend = "cudnn" if impl == "cudnn" else "xla"
+        call = functools.partial(jax.nn.dot_product_attention, implementation=backend, **masking)
+
+        def attend(*arrays):  # jax.nn has no precision argument: set it while jit traces
+            with jax.default_matmul_precision(precision or "default"):
+                return call(*arrays)
+
+        path = backend
+    step = jax_step(attend, case.pass_)
+    return (lambda: step(*inputs)), jax.block_until_ready, path
+
+
+def torch_gpu_step(case: GpuCase):
+    """The same case through torch.nn.functional.scaled_dot_product_attention, in its
+    native `[B, N, T, H]` layout, on CUDA when there is one."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, case.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    B, N, H = case.batch, case.heads, case.head_dim
+    query, key, value = (
+        torch.randn(B, N, n, H, device=device, dtype=dtype, generator=generator, requires_grad=True)
+        for n in (case.T, case.S, case.S)
+    )
+    shape = (B, 1, case.T, case.S)
+    attn_mask = None
+    if case.masking == "lengths":  # torch has no lengths: a boolean padding mask
+        lengths = torch.tensor(case.key_lengths(), device=device)
+        attn_mask = (torch.arange(case.S, device=device) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    elif case.masking == "bias":
+        attn_mask = torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+    elif case.masking == "mask":
+        attn_mask = torch.rand(*shape, device=device, generator=generator) < 0.9
+    options: dict = {"attn_mask": attn_mask, "is_causal": case.causal}
+    if case.causal and attn_mask is not None:  # torch takes one or the other
+        bottom_right = torch.ones(case.T, case.S, device=device, dtype=torch.bool).tril(case.S - case.T)
+        options = {"attn_mask": attn_mask & bottom_right}
+    elif case.causal and case.T != case.S:  # torch's is_causal is top-left, like cuDNN's
+        options = {"attn_mask": causal_lower_right(case.T, case.S)}
+
+    def forward():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(query, key, value, **options)
+
+    def forward_backward():
+        output = F.scaled_dot_product_attention(query, key, value, **options)
+        return torch.autograd.grad(0.5 * output.float().square().sum(), (query, key, value))
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return forward if case.pass_ == "fwd" else forward_backward, lambda _: sync(), f"torch ({device})"
+
+
+def seconds_per_call(run, wait) -> float:
+    """Median over GPU_ROUNDS timed regions of the time per call, each region queueing
+    enough calls back to back (no wait between them) to fill GPU_TIMED_REGION_S: the
+    device runs them one after another while Python dispatches ahead, so the time per
+    call is the device's, not the dispatch's."""
+    wait(run())  # compile, warm up
+    started = time.perf_counter()
+    wait(run())
+    once = time.perf_counter() - started
+    calls = int(min(max(GPU_TIMED_REGION_S / max(once, 1e-6), 3), 200))
+    times = []
+    for _ in range(GPU_ROUNDS):
+        started = time.perf_counter()
+        for _ in range(calls):
+            result = run()
+        wait(result)
+        times.append((time.perf_counter() - started) / calls)
+    return statistics.median(times)
+
+
+def measure_gpu_case(case: GpuCase, impl: str) -> dict:
+    """Seconds per call of one implementation of a case, or the error it raised."""
     try:
-        step = jax_step(jax_attention(impl, causal, T, T), pass_)
-        inputs = jax_inputs(T, T, dtype, batch, heads, head_dim)
-        run = lambda: jax.block_until_ready(step(*inputs))
-        run()
-        times = [timed(run) for _ in range(rounds)]
+        run, wait, path = torch_gpu_step(case) if impl == "torch" else jax_gpu_step(case, impl)
+        seconds = seconds_per_call(run, wait)
     except Exception as error:  # noqa: BLE001 - an unsupported kernel is a result, not a crash
-        first_line = (str(error).splitlines() or [""])[0]
-        return {"error": f"{type(error).__name__}: {first_line}"}
-    return {"median_s": statistics.median(times), "times_s": times}
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return {"error": f"{type(error).__name__}: {first_line[:200]}"}
+    finally:
+        release_torch_memory()
+    tflops = case.flops() / seconds / 1e12
+    share = tflops / GPU_PEAK_TFLOPS[case.dtype]
+    return {"seconds": seconds, "tflops": tflops, "peak_share": share, "path": path}
 
 
-def gpu_cell(record: dict, shape) -> str:
-    if "median_s" not in record:
-        return record.get("skipped") or "n/a: " + record["error"][:70]
-    flops = useful_flops(record["T"], record["T"], record["causal"], record["pass_"], *shape)
-    tflops = flops / record["median_s"] / 1e12
-    share = 100 * tflops / GPU_PEAK_TFLOPS[record["dtype"]]
-    return f"{record['median_s'] * 1000:.2f} ms ({tflops:.3g} TFLOP/s, {share:.2g}%)"
+def release_torch_memory() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def gpu_cell(record: dict | None) -> str:
+    if record is None:
+        return "-"
+    if "seconds" not in record:
+        return record.get("skipped") or "n/a: " + record["error"][:60]
+    share = 100 * record["peak_share"]
+    return f"{record['seconds'] * 1000:.3g} ms ({record['tflops']:.3g} TFLOP/s, {share:.2g}%)"
+
+
+def case_label(case: GpuCase) -> str:
+    mask = {"none": "causal" if case.causal else "full"}.get(case.masking, case.masking)
+    if case.masking != "none" and case.causal:
+        mask += " + causal"
+    return (
+        f"{case.dtype} B{case.batch} N{case.heads} H{case.head_dim} T{case.T} S{case.S} {mask} {case.pass_}"
+    )
+
+
+def gpu_report(cases: list[GpuCase], records: list[dict]) -> tuple[list[str], dict]:
+    """Markdown table (one row per case) and the ratios the issue asks for."""
+    index = {(r["case"], r["impl"]): r for r in records}
+    header = "| case | default path | " + " | ".join(GPU_IMPL_NAMES[i] for i in GPU_IMPLS) + " |"
+    table = [header, "|---|---|" + "---|" * len(GPU_IMPLS)]
+    ratios: dict = {}
+    for case in cases:
+        label = case_label(case)
+        row = {impl: index.get((label, impl)) for impl in case.impls}
+        path = (row.get("default") or {}).get("path", "-")
+        table.append(f"| {label} | {path} | " + " | ".join(gpu_cell(row.get(i)) for i in GPU_IMPLS) + " |")
+        seconds = {impl: r["seconds"] for impl, r in row.items() if r and "seconds" in r}
+        for peer in ("cudnn", "torch", "jax.nn"):
+            if "default" in seconds and peer in seconds:
+                ratios[f"{label}: default / {GPU_IMPL_NAMES[peer]}"] = seconds["default"] / seconds[peer]
+    return table, ratios
+
+
+def padded_ratios(records: list[dict]) -> dict:
+    """Padded (lengths) default against unmasked cuDNN at the same shape, causality and pass."""
+
+    def seconds(case_fields, impl):
+        for r in records:
+            if r["impl"] == impl and "seconds" in r and all(r[k] == v for k, v in case_fields.items()):
+                return r["seconds"]
+        return None
+
+    ratios = {}
+    for r in records:
+        if r["masking"] == "lengths" and r["impl"] == "default" and "seconds" in r:
+            fields = {k: r[k] for k in ("dtype", "batch", "heads", "head_dim", "T", "S", "causal", "pass_")}
+            unmasked = seconds({**fields, "masking": "none"}, "cudnn")
+            if unmasked:
+                name = f"{r['dtype']} T{r['T']} lengths{' + causal' if r['causal'] else ''} {r['pass_']}"
+                ratios[f"{name}: default / unmasked cuDNN"] = r["seconds"] / unmasked
+    return ratios
 
 
 def gpu_main(args) -> None:
-    """Our paths against jax.nn's XLA and cuDNN kernels on one accelerator, bf16 and fp32.
+    """Our default path against jax.nn's cuDNN kernel and torch's SDPA on one GPU.
 
-    Stops adding cases once --budget-s seconds have passed (benchmarks/gpu.sh
-    must finish in 5 minutes). The default in float32 on a GPU is XLA for short
-    and chunked for long inputs; materialising cases that would not fit in
-    --max-gib are skipped. --dry-run: tiny sizes on whatever device there is (on
-    CPU, cuDNN fails and says so), no results file.
+    Cases run in order of importance and stop once --budget-s seconds have
+    passed (benchmarks/gpu.sh must finish in 5 minutes). --dry-run: tiny sizes on
+    whatever device there is (on CPU cuDNN fails and says so), no results file.
     """
     import jax
 
     started = time.perf_counter()
-    shape = (2, 2, 64) if args.dry_run else (BATCH, HEADS, HEAD_DIM)
-    lengths = [64, 128] if args.dry_run else args.lengths
+    cases = gpu_cases(args.dry_run)
     records = []
-    for dtype in ("bfloat16", "float32"):
-        for T in lengths:
-            for causal in (False, True):
-                for pass_ in PASSES:
-                    for impl in GPU_IMPLS:
-                        record = dict(dtype=dtype, T=T, causal=causal, pass_=pass_, impl=impl)
-                        materialising = impl in ("xla", "jax.nn") or (impl, dtype) == ("default", "float32")
-                        if time.perf_counter() - started > args.budget_s:
-                            record["skipped"] = "time budget"
-                        elif materialising and materialised_gib(T, pass_, *shape[:2]) > args.max_gib:
-                            record["skipped"] = "memory"
-                        else:
-                            record.update(gpu_case(impl, dtype, T, causal, pass_, args.rounds, shape))
-                        records.append(record)
-                        print(record, file=sys.stderr)
+    for case in cases:
+        for impl in case.impls:
+            record = {"case": case_label(case), **case.describe(), "impl": impl}
+            if time.perf_counter() - started > args.budget_s:
+                record["skipped"] = "time budget"
+            else:
+                record.update(measure_gpu_case(case, impl))
+            records.append(record)
+            print(f"{case_label(case)} {impl}: {gpu_cell(record)}", file=sys.stderr, flush=True)
     device = jax.devices()[0]
-    peaks = ", ".join(f"{k} {v:.0f} TFLOP/s" for k, v in GPU_PEAK_TFLOPS.items())
-    table = [
-        f"**{device.device_kind}** ({device.platform}), batch {shape[0]}, {shape[1]} heads, head dim "
-        f"{shape[2]}: median ms (TFLOP/s, share of the H200's dense peak: {peaks}).",
-        "",
-        "| dtype | T = S | mask | pass | " + " | ".join(GPU_IMPLS) + " |",
-        "|---|---|---|---|" + "---|" * len(GPU_IMPLS),
-    ]
-    index = {(r["dtype"], r["T"], r["causal"], r["pass_"], r["impl"]): r for r in records}
-    ratios = {}
-    for dtype in ("bfloat16", "float32"):
-        for T in lengths:
-            for causal in (False, True):
-                for pass_ in PASSES:
-                    row = [index[(dtype, T, causal, pass_, impl)] for impl in GPU_IMPLS]
-                    mask = "causal" if causal else "none"
-                    table.append(
-                        f"| {dtype} | {T} | {mask} | {pass_} | "
-                        + " | ".join(gpu_cell(r, shape) for r in row)
-                        + " |"
-                    )
-                    default, cudnn = row[0], row[-1]
-                    if "median_s" in default and "median_s" in cudnn:
-                        name = f"{dtype} T={T} {mask} {pass_}: default time / cuDNN"
-                        ratios[name] = default["median_s"] / cudnn["median_s"]
-    print("\n".join(table))
+    table, ratios = gpu_report(cases, records)
+    ratios.update(padded_ratios(records))
+    intro = (
+        f"**{device.device_kind}** ({device.platform}): time per call, each the median of "
+        f"{GPU_ROUNDS} timed regions of calls queued back to back (so Python's dispatch is "
+        f"amortised); TFLOP/s count 4 B N H per computed (query, key) pair forward and 3.5x "
+        f"that forward+backward (causal and lengths leave pairs out, a bias or mask does not); "
+        f"% = share of the dense peak ({GPU_PEAK_SOURCE} TFLOP/s). float32 runs at precision "
+        f"'highest' (no TF32) on both sides. torch SDPA uses its [B, N, T, H] layout; padding "
+        f"by lengths is a boolean mask for torch."
+    )
+    print("\n".join([intro, "", *table]))
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     if args.dry_run:
         return
     command = "bash benchmarks/gpu.sh  # python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    path = write_results(
-        "attention_gpu",
-        command,
-        {
-            "title": f"Attention on {device.device_kind}",
-            "device": str(device),
-            "records": records,
-            "table": table,
-            "ratios": ratios,
-        },
-    )
+    data = {"title": f"Attention on {device.device_kind}", "device": str(device), "records": records}
+    path = write_results("attention_gpu", command, {**data, "table": [intro, "", *table], "ratios": ratios})
     print(f"wrote {path.relative_to(ROOT)}")
+
+
+# ----------------------------------------------------------------------------- cuDNN check
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckCase:
+    """A kind of call `select_implementation` sends to cuDNN on a GPU."""
+
+    name: str
+    batch: tuple[int, ...]
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    dtype: str = "bfloat16"
+    causal: bool = False
+    mask: tuple[int, ...] | None = None  # shape; row 1 of the first example fully masked
+    bias: tuple[int, ...] | None = None  # shape; row 2 of the first entry -inf
+    query_lengths: tuple | None = None
+    key_lengths: tuple | None = None
+    nan_beyond_lengths: bool = False  # NaN keys past each key length: must not leak
+
+
+def cudnn_check_cases(dry_run: bool) -> list[CheckCase]:
+    """Every kind of call the rule routes to cuDNN: dtypes, head depths, GQA/MQA, causal with
+    T = S, T < S and T > S, masks and biases of each broadcast shape, lengths (zero ones
+    too), their mixtures, batch layouts, a decode step, and NaN in the padding."""
+    T, S, H = (8, 12, 8) if dry_run else (256, 512, 64)
+    return [
+        CheckCase("causal T = S, GQA, H 128", (2,), S, S, 8, 2, 8 if dry_run else 128, causal=True),
+        CheckCase("full, MQA, float16", (2,), T, S, 4, 1, H, dtype="float16"),
+        CheckCase("causal T < S", (2,), T, S, 4, 4, H, causal=True),
+        CheckCase("causal T > S", (2,), S, T, 4, 2, H, causal=True),
+        CheckCase("mask [B, 1, T, S]", (2,), T, S, 4, 2, H, mask=(2, 1, T, S)),
+        CheckCase("mask [T, S], causal", (2,), S, S, 4, 2, H, causal=True, mask=(S, S)),
+        CheckCase("mask [B, N, T, S]", (2,), T, S, 4, 2, H, mask=(2, 4, T, S)),
+        CheckCase("bias [B, 1, T, S] with -inf", (2,), T, S, 4, 2, H, bias=(2, 1, T, S)),
+        CheckCase("bias [N, T, S]", (2,), T, S, 4, 2, H, bias=(4, T, S)),
+        CheckCase("bias [T, S], float16", (2,), T, S, 4, 2, H, dtype="float16", bias=(T, S)),
+        CheckCase("key lengths, one zero", (3,), T, S, 4, 2, H, key_lengths=(S, 0, S // 2)),
+        CheckCase(
+            "lengths, causal",
+            (2,),
+            S,
+            S,
+            4,
+            2,
+            H,
+            causal=True,
+            query_lengths=(S, S // 3),
+            key_lengths=(S // 2, S),
+        ),
+        CheckCase(
+            "mask + bias + lengths + causal T < S",
+            (2,),
+            T,
+            S,
+            4,
+            2,
+            H,
+            causal=True,
+            mask=(2, 1, T, S),
+            bias=(4, T, S),
+            query_lengths=(T, T // 2),
+            key_lengths=(S - 2, S),
+        ),
+        CheckCase("unbatched", (), T, S, 4, 2, H, causal=True),
+        CheckCase("batch dims (2, 3)", (2, 3), T, T, 2, 1, H, causal=True),
+        CheckCase("decode: T = 1", (2,), 1, S, 4, 2, H),
+        CheckCase(
+            "NaN beyond key lengths",
+            (2,),
+            T,
+            S,
+            4,
+            2,
+            H,
+            key_lengths=(S // 2, S - 2),
+            nan_beyond_lengths=True,
+        ),
+    ]
+
+
+def check_inputs(case: CheckCase, seed: int = 0):
+    """Query, key, value in the case's dtype, and the keyword arguments of its masking."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    arrays = [
+        rng.normal(size=(*case.batch, n, heads, case.H))
+        for n, heads in ((case.T, case.N), (case.S, case.K), (case.S, case.K))
+    ]
+    query, key, value = (jnp.asarray(x, case.dtype) for x in arrays)
+    kwargs: dict = {"is_causal": case.causal}
+    if case.mask:
+        mask = rng.random(case.mask) < 0.7
+        mask.reshape(-1, *case.mask[-2:])[0, min(1, case.mask[-2] - 1)] = False
+        kwargs["mask"] = mask
+    if case.bias:
+        bias = rng.normal(size=case.bias).astype(np.float32)
+        bias.reshape(-1, *case.bias[-2:])[0, min(2, case.bias[-2] - 1)] = -np.inf
+        kwargs["bias"] = bias
+    for name, lengths in (
+        ("query_seq_lengths", case.query_lengths),
+        ("key_value_seq_lengths", case.key_lengths),
+    ):
+        if lengths is not None:
+            kwargs[name] = np.array(lengths, np.int32)
+    if case.nan_beyond_lengths:
+        beyond = np.arange(case.S)[None, :] >= np.array(case.key_lengths)[:, None]  # (B, S)
+        key = jnp.where(jnp.asarray(beyond)[:, :, None, None], jnp.nan, key)
+    return (query, key, value), kwargs
+
+
+def check_one(case: CheckCase, on_gpu: bool) -> dict:
+    """Outputs and gradients of the default path against the reference path on the same
+    inputs (the reference computes in float32 and rounds its output to the dtype)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import qkv_jax
+
+    inputs, kwargs = check_inputs(case)
+    rule = qkv_jax.select_implementation(
+        *inputs, mask=kwargs.get("mask"), bias=kwargs.get("bias"), is_causal=case.causal, platform="gpu"
+    )
+    implementation = None if on_gpu else "xla"  # on CPU: the same "xla" path, jax.nn's XLA kernel
+
+    def run(implementation, *inputs):
+        def loss(*inputs):
+            out = qkv_jax.dot_product_attention(*inputs, implementation=implementation, **kwargs)
+            weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+            return jnp.sum(out.astype(jnp.float32) * weights), out
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*inputs)
+
+    ours = jax.jit(functools.partial(run, implementation))
+    program = ours.lower(*inputs).as_text()
+    (_, out), grads = ours(*inputs)
+    (_, want), want_grads = jax.jit(functools.partial(run, "reference"))(*inputs)
+    out_tol, grad_tol = (2e-2, 5e-2) if case.dtype == "bfloat16" else (4e-3, 1e-2)
+    result = {"case": case.name, "rule": rule, "cudnn_in_program": "cudnn" in program.lower()}
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    result["output_error"] = float(np.nanmax(np.abs(out - want))) if out.size else 0.0
+    result["output_nan_pattern_ok"] = bool((np.isnan(out) == np.isnan(want)).all())
+    errors = []
+    for g, e in zip(grads, want_grads, strict=True):
+        g, e = np.asarray(g, np.float32), np.asarray(e, np.float32)
+        errors.append(
+            float(np.max(np.abs(g - e)) / max(np.max(np.abs(e)), 1e-3)) if np.isfinite(g).all() else np.inf
+        )
+    result["gradient_errors"] = errors
+    result["ok"] = (
+        rule == "xla"
+        and (result["cudnn_in_program"] or not on_gpu)
+        and result["output_error"] <= out_tol
+        and result["output_nan_pattern_ok"]
+        and max(errors) <= grad_tol
+    )
+    return result
+
+
+def gpu_check_main(args) -> None:
+    """Every kind of call the rule sends to cuDNN, checked against the reference on this
+    device (benchmarks/gpu_check.sh). On CPU (--dry-run): the same calls through the
+    "xla" path's jax.nn XLA kernel at tiny sizes. Exits 1 if any case fails."""
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.dry_run:
+        raise SystemExit("--gpu-check needs a GPU (jax.default_backend() is not 'gpu'); add --dry-run on CPU")
+    results = []
+    for case in cudnn_check_cases(args.dry_run):
+        if not on_gpu and case.dtype == "float16":  # XLA:CPU has no float16 dot for jax.nn
+            case = dataclasses.replace(case, dtype="bfloat16")
+        try:
+            result = check_one(case, on_gpu)
+        except Exception as error:  # noqa: BLE001 - report every case, then fail
+            result = {"case": case.name, "ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        results.append(result)
+        print(("PASS " if result["ok"] else "FAIL ") + json.dumps(result), flush=True)
+    failed = [r["case"] for r in results if not r["ok"]]
+    summary = {"device": str(jax.devices()[0]), "cases": len(results), "failed": failed, "results": results}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(
+        f"{len(results) - len(failed)} of {len(results)} cuDNN cases match the reference"
+        + (f"; failed: {failed}" if failed else "")
+    )
+    if failed:
+        raise SystemExit(1)
 
 
 # ----------------------------------------------------------------------------- entry
@@ -631,7 +1068,13 @@ def parse_args(argv=None):
     )
     parser.add_argument("--tune-blocks", action="store_true", help="time the chunked path's tile sizes")
     parser.add_argument("--gpu", action="store_true", help="accelerator run (benchmarks/gpu.sh)")
-    parser.add_argument("--dry-run", action="store_true", help="with --gpu: tiny sizes on any device")
+    parser.add_argument(
+        "--gpu-check", action="store_true", help="cuDNN cases against the reference (benchmarks/gpu_check.sh)"
+    )
+    parser.add_argument("--out", help="with --gpu-check: write the results as JSON here")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="with --gpu/--gpu-check: tiny sizes, any device"
+    )
     parser.add_argument("--budget-s", type=float, default=200.0, help="with --gpu: no new case after this")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # T,causal(0|1),pass,impl
@@ -661,6 +1104,8 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args)))
+    elif args.gpu_check:
+        gpu_check_main(args)
     elif args.gpu:
         gpu_main(args)
     elif args.tune_blocks:

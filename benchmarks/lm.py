@@ -49,7 +49,7 @@ def model_config(name: str) -> dict:
     config = char_lm.get_config()
     if name == "small_lm":
         config.task.seq_len = 128
-        config.model.config.max_len = 128
+        config.model.max_len = 128
         config.train.batch_size = 32
         config.eval.sample_length = 64
     return config.to_dict()

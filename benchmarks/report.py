@@ -8,7 +8,8 @@ command that regenerates it, when and on what machine it ran (CPU, cores,
 memory, allocator, library versions), its `table` (markdown lines, written by
 the benchmark) and its `ratios`. Nothing here is typed by hand; a benchmark
 script that writes a results file through benchmarks.common.write_results is
-picked up without changes to this file.
+picked up without changes to this file. Files named `*_gpu.json` (written by
+benchmarks/gpu.sh) go under "On a GPU", after the CPU sections, when any exist.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ def format_ratio(value) -> str:
     return str(value)
 
 
-def section(path: pathlib.Path) -> list[str]:
+def section(path: pathlib.Path, level: str = "##") -> list[str]:
     record = json.loads(path.read_text())
+    device = f"; device {record['device']}" if record.get("device") else ""
     lines = [
-        f"## {record.get('title', path.stem)}",
+        f"{level} {record.get('title', path.stem)}",
         "",
         f"Regenerate: `{record['command']}` (then `python -m benchmarks.report`). "
-        f"Ran {record['date']} on: {describe_machine(record.get('machine', {}))}.",
+        f"Ran {record['date']} on: {describe_machine(record.get('machine', {}))}{device}.",
         "",
         *record.get("table", []),
     ]
@@ -60,8 +62,25 @@ def section(path: pathlib.Path) -> list[str]:
     return lines + [""]
 
 
+GPU_INTRO = [
+    "## On a GPU",
+    "",
+    "Measured by `bash benchmarks/gpu.sh` (which `bash benchmarks/gpu_check.sh` runs after the test "
+    "suite and the cuDNN correctness check, on the GPU machine). Times are per call with Python's "
+    "dispatch amortised; shares of peak use NVIDIA's dense figures for the chip (H200 SXM: BF16 "
+    "989 TFLOP/s, half the 1,979 quoted with sparsity; FP32 67 TFLOP/s).",
+    "",
+]
+
+
+def is_gpu(path: pathlib.Path) -> bool:
+    return path.stem.endswith("_gpu")
+
+
 def render() -> str:
     paths = sorted(RESULTS.glob("*.json"))
+    gpu_paths = [p for p in paths if is_gpu(p)]
+    paths = [p for p in paths if not is_gpu(p)]
     lines = [
         "# Benchmarks",
         "",
@@ -71,10 +90,16 @@ def render() -> str:
         "rerun that command, then `python -m benchmarks.report`, to refresh it.",
         "",
         *(f"- [{json.loads(p.read_text()).get('title', p.stem)}](#{anchor(p)})" for p in paths),
+        *(["- [On a GPU](#on-a-gpu)"] if gpu_paths else []),
+        *(f"  - [{json.loads(p.read_text()).get('title', p.stem)}](#{anchor(p)})" for p in gpu_paths),
         "",
     ]
     for path in paths:
         lines += section(path)
+    if gpu_paths:
+        lines += GPU_INTRO
+        for path in gpu_paths:
+            lines += section(path, level="###")
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -6,8 +6,9 @@ The whole mechanism of the seeds is one line,
 
 and `dot_product_attention` below is that line with the details a research
 codebase needs: any leading batch dims, grouped K/V heads, boolean masks,
-additive bias, dropout on the attention weights, and a softmax that stays
-finite for fully masked rows and low-precision inputs.
+padding by sequence lengths, additive bias, dropout on the attention weights,
+a matmul precision, and a softmax that stays finite for fully masked rows and
+low-precision inputs.
 
 Layout (jax.nn's):
   query  [batch..., T, N, H]    T query positions, N query heads, depth H
@@ -20,16 +21,18 @@ A mask is boolean, True = may attend, broadcastable to [batch..., N, T, S].
 Three implementations compute the same thing (`implementation=`): "reference",
 the explicit einsum/softmax below (the one to read, and the only one that
 returns weights or applies dropout); "xla", `jax.nn.dot_product_attention`
-(cuDNN on a GPU); "chunked", `qkv_jax.chunked.chunked_attention`, a blocked
-online softmax whose memory grows as O(T x block). By default
+(cuDNN's fused kernel on a GPU); "chunked", `qkv_jax.chunked.chunked_attention`,
+a blocked online softmax whose memory grows as O(T x block). By default
 `select_implementation` picks one by a written rule.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +42,16 @@ from jax import lax
 from qkv_jax.chunked import chunked_attention, flatten_batch
 
 Array = jax.Array
+# flax's spelling: None (JAX's default), a string ('default', 'high', 'highest', ...),
+# a `jax.lax.Precision`, or a pair of either (one per operand).
+PrecisionLike = None | str | lax.Precision | tuple[str, str] | tuple[lax.Precision, lax.Precision]
 
 __all__ = [
     "dot_product_attention",
     "select_implementation",
     "IMPLEMENTATIONS",
     "CHUNKED_MIN_KEYS",
+    "PrecisionLike",
     "causal_mask",
     "padding_mask",
     "combine_masks",
@@ -73,25 +80,37 @@ def causal_mask(T: int, S: int | None = None) -> Array:
     return key_pos <= query_pos  # (T, S)
 
 
+def _check_length_values(owner: str, name: str, lengths: Any, limit_name: str, limit: int) -> None:
+    """Raises unless concrete `lengths` lie in [0, limit] (traced ones cannot be checked)."""
+    if lengths is None or isinstance(lengths, jax.core.Tracer):
+        return
+    values = np.asarray(lengths)
+    if values.size and ((values < 0) | (values > limit)).any():
+        raise ValueError(
+            f"{owner}: {name} must lie in [0, {limit_name}={limit}], "
+            f"got min {values.min()} and max {values.max()}"
+        )
+
+
 def padding_mask(lengths: Any, max_len: int) -> Array:
     """Key-padding mask `[batch..., 1, 1, max_len]` from per-sequence lengths.
 
     Position s of a sequence with length L may be attended to iff s < L. The two
     singleton axes broadcast over heads and query positions, so the result can
     be passed straight to `dot_product_attention` or `MultiHeadAttention`.
+
+    With `dot_product_attention` itself, pass the lengths instead:
+    `dot_product_attention(q, k, v, key_value_seq_lengths=lengths)` (and
+    `query_seq_lengths=` for padded queries) gives the same result, and on a
+    GPU in bf16/fp16 it reaches cuDNN's padded kernel, which skips the padding,
+    where a mask becomes a `[batch, 1, T, S]` bias.
     """
     if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len <= 0:
         raise ValueError(f"padding_mask: max_len must be a positive int, got {max_len!r}")
     lengths = jnp.asarray(lengths)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"padding_mask: lengths must be integers, got dtype {lengths.dtype}")
-    if not isinstance(lengths, jax.core.Tracer):
-        bad = np.asarray(lengths)
-        if ((bad < 0) | (bad > max_len)).any():
-            raise ValueError(
-                f"padding_mask: lengths must lie in [0, max_len={max_len}], "
-                f"got min {bad.min()} and max {bad.max()}"
-            )
+    _check_length_values("padding_mask", "lengths", lengths, "max_len", max_len)
     positions = jnp.arange(max_len)  # (S,)
     mask = positions < lengths[..., None]  # (batch..., S)
     return mask[..., None, None, :]  # (batch..., 1, 1, S)
@@ -123,6 +142,17 @@ def combine_masks(*masks: Any) -> Array | None:
     return combined
 
 
+def _lengths_masks(query_seq_lengths, key_value_seq_lengths, T: int, S: int):
+    """Masks `[batch..., 1, T, 1]` (queries t < length) and `[batch..., 1, 1, S]` (keys s < length);
+    None for lengths not given."""
+    query_valid = key_valid = None
+    if query_seq_lengths is not None:
+        query_valid = (jnp.arange(T) < query_seq_lengths[..., None])[..., None, :, None]
+    if key_value_seq_lengths is not None:
+        key_valid = (jnp.arange(S) < key_value_seq_lengths[..., None])[..., None, None, :]
+    return query_valid, key_valid
+
+
 def _is_floating(x: Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -138,6 +168,22 @@ def _check_broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, .
         raise ValueError(
             f"dot_product_attention: {name} of shape {shape} does not broadcast to "
             f"the attention shape [batch..., N, T, S] = {target}"
+        )
+
+
+def _validate_lengths(name: str, lengths: Array | None, batch: tuple[int, ...]) -> None:
+    if lengths is None:
+        return
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"dot_product_attention: {name} must be integers, got dtype {lengths.dtype}")
+    try:
+        fits = lengths.ndim <= len(batch) and jnp.broadcast_shapes(lengths.shape, batch) == batch
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"dot_product_attention: {name} of shape {lengths.shape} does not broadcast to the "
+            f"batch dims {batch}"
         )
 
 
@@ -193,7 +239,7 @@ def _validate(query, key, value, mask, bias, dropout_rate, dropout_rng) -> None:
         raise ValueError("dot_product_attention: dropout_rate > 0 needs a dropout_rng")
 
 
-def _contract_values(weights: Array, value: Array, logits: Array) -> Array:
+def _contract_values(weights: Array, value: Array, logits: Array, precision: PrecisionLike) -> Array:
     """Blend values: `weights` [..., K, G, T, S] times `value` [..., S, K, Hv].
 
     A non-finite value at a position a query may not attend to must not reach
@@ -204,24 +250,28 @@ def _contract_values(weights: Array, value: Array, logits: Array) -> Array:
     non-finite.
     """
     finite = jnp.isfinite(value)
-    output = jnp.einsum("...kgts,...skh->...tkgh", weights, jnp.where(finite, value, 0))  # (..., T, K, G, Hv)
+    output = jnp.einsum(
+        "...kgts,...skh->...tkgh", weights, jnp.where(finite, value, 0), precision=precision
+    )  # (..., T, K, G, Hv)
 
     def poisoned():
         allowed = (lax.stop_gradient(logits) > -jnp.inf).astype(weights.dtype)
         bad = (~finite).astype(weights.dtype)
-        return jnp.einsum("...kgts,...skh->...tkgh", allowed, bad) > 0  # (..., T, K, G, Hv)
+        return (
+            jnp.einsum("...kgts,...skh->...tkgh", allowed, bad, precision=precision) > 0
+        )  # (..., T, K, G, Hv)
 
     poison = lax.cond(jnp.all(finite), lambda: jnp.zeros(output.shape, jnp.bool_), poisoned)
     return jnp.where(poison, jnp.nan, output)
 
 
 def _reference_attention(
-    query, key, value, mask, bias, is_causal, scale, dropout_rate, dropout_rng, return_weights
+    query, key, value, mask, bias, is_causal, scale, dropout_rate, dropout_rng, return_weights, precision
 ):
     """The explicit path: the whole `[batch..., N, T, S]` logits, softmax, dropout.
 
-    Arguments as `dot_product_attention` (validated, `scale` resolved). Handles
-    non-finite keys and values itself.
+    Arguments as `dot_product_attention` (validated, `scale` resolved, the
+    lengths folded into `mask`). Handles non-finite keys and values itself.
     """
     *batch, T, N, H = query.shape
     S, K = key.shape[-3], key.shape[-2]
@@ -234,7 +284,11 @@ def _reference_attention(
     key = jnp.where(jnp.isfinite(key), key, 0)
     grouped_query = query.reshape(*batch, T, K, G, H)  # (..., T, K, G, H)
     logits = jnp.einsum(
-        "...tkgh,...skh->...kgts", grouped_query, key, preferred_element_type=compute_dtype
+        "...tkgh,...skh->...kgts",
+        grouped_query,
+        key,
+        preferred_element_type=compute_dtype,
+        precision=precision,
     )  # (..., K, G, T, S)
     key_finite = jnp.swapaxes(key_finite, -1, -2)[..., :, None, None, :]  # (..., K, 1, 1, S)
     logits = jnp.where(key_finite, logits * jnp.asarray(scale, compute_dtype), jnp.nan)
@@ -262,6 +316,7 @@ def _reference_attention(
         blended.reshape(*batch, K, G, T, S),
         value.astype(compute_dtype),
         logits.reshape(*batch, K, G, T, S),
+        precision,
     )  # (..., T, K, G, Hv)
     output = output.reshape(*batch, T, N, value.shape[-1]).astype(out_dtype)
     if return_weights:
@@ -269,98 +324,256 @@ def _reference_attention(
     return output
 
 
-def _xla_attention(query, key, value, mask, bias, scale, *, is_causal):
-    """`jax.nn.dot_product_attention` with this module's conventions, for finite keys and values.
+# ----------------------------------------------------------------------------- the "xla" path
 
-    jax.nn aligns the causal triangle top-left, gives a row with no allowed key
-    equal weight on every key (or NaN when its bias is all -inf), and wants one
-    dtype and one batch axis. So: the bottom-right triangle goes into the mask
-    when T != S, -inf bias entries become False mask entries, rows with no
-    allowed key are set to zero, inputs are cast to their result dtype and the
-    batch dims flattened. On a GPU, cuDNN's fused kernel is used when it
-    applies (`_cudnn_applies`).
+
+def _matmul_precision_name(precision: PrecisionLike) -> str | None:
+    """`precision` as a `jax_default_matmul_precision` value (jax.nn takes no precision argument).
+
+    A pair of different precisions applies the higher one to both operands.
+    """
+    if precision is None:
+        return None
+    if isinstance(precision, (tuple, list)):
+        return max((lax.Precision(p) for p in precision), key=lambda p: p.value).name.lower()
+    if isinstance(precision, lax.Precision):
+        return precision.name.lower()
+    try:
+        return lax.Precision(precision).name.lower()  # 'float32' -> 'highest', ...
+    except ValueError:
+        return str(getattr(precision, "name", precision))  # a `jax.lax.DotAlgorithmPreset` (name)
+
+
+def _masked_logit(dtype) -> float:
+    """The additive bias that stands for a False mask entry on the "xla" path.
+
+    jax's own cuDNN wrapper uses -2**15 (float16) and -2**41 (bfloat16) rather
+    than the dtype's lowest value, to avoid a cuDNN fault when two such values
+    are subtracted; float32 biases (the non-cuDNN kernel) use -2**41 as well.
+    """
+    return -(2.0**15) if jnp.dtype(dtype) == jnp.float16 else -(2.0**41)
+
+
+def _fold_into_bias(allowed, bias, dtype, full_shape: tuple[int, int] | None) -> Array | None:
+    """`allowed` (boolean) and `bias` (additive) `[B|1, N|1, T|1, S|1]` as one additive bias in `dtype`.
+
+    Entries a query may not attend to get `_masked_logit(dtype)`; user bias
+    values are clipped at half of it, so `folded > _masked_logit(dtype)` is
+    exactly the allowed set. cuDNN wants the full `[., ., T, S]` (`full_shape`).
+    """
+    if allowed is None and bias is None:
+        return None
+    masked = _masked_logit(dtype)
+    folded = jnp.zeros((), dtype) if bias is None else jnp.maximum(bias, masked / 2)
+    if allowed is not None:
+        folded = jnp.where(allowed, folded, masked)
+    folded = folded.astype(dtype)
+    if full_shape is not None:
+        folded = jnp.broadcast_to(folded, (*folded.shape[:2], *full_shape))  # (B|1, N|1, T, S)
+    return folded
+
+
+def _rows_without_keys(allowed, causal_square: bool, lengths, T: int, S: int) -> Array | None:
+    """`[B|1, T|1, N|1, 1]`: the (unpadded) query rows that may attend to no key, or None if
+    none can be. jax.nn (and cuDNN) give such a row the mean of the values; this module zeros
+    it. Padded queries (t >= query length) need nothing: both kernels already zero them."""
+    query_lengths, key_lengths = lengths
+    if allowed is None and key_lengths is None:
+        return None
+    if allowed is None:
+        empty = (key_lengths == 0)[:, None, None]  # (B, 1, 1)
+    else:
+        attended = allowed & causal_mask(T, S) if causal_square else allowed
+        if key_lengths is not None:
+            attended = attended & (jnp.arange(S) < key_lengths[:, None, None, None])  # (B, N|1, T|1, S)
+        empty = ~jnp.any(attended, axis=-1)  # (B|1, N|1, T|1)
+    if query_lengths is not None:
+        empty = empty & (jnp.arange(T) < query_lengths[:, None])[:, None, :]  # (B, N|1, T)
+    return jnp.swapaxes(empty, -1, -2)[..., None]  # (B|1, T|1, N|1, 1)
+
+
+def _jax_nn_attention(query, key, value, bias, lengths, *, is_causal, scale, cudnn, precision):
+    """One `jax.nn.dot_product_attention` call: `[B, T, N, H]`, `[B, S, K, H]`, `[B, S, K, H]`,
+    an additive bias `[B|1, N|1, T|1, S|1]` or None, int32 lengths `([B] | None, [B] | None)`.
+
+    `precision` (a `jax_default_matmul_precision` value or None) is set around the
+    call, which traces every dot of jax.nn's "xla" kernel, and their transposes,
+    with it; cuDNN's kernel runs at its own (bf16/fp16 inputs, float32 softmax).
+    """
+    query_lengths, key_lengths = lengths
+    context = contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
+    with context:
+        return jax.nn.dot_product_attention(
+            query,
+            key,
+            value,
+            bias=bias,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_lengths,
+            key_value_seq_lengths=key_lengths,
+            implementation="cudnn" if cudnn else "xla",
+        )  # (B, T, N, H)
+
+
+def _nothing_to_fix(key, value, empty_rows) -> Array:
+    """True when the kernel's own answer is already this module's: every key and value is
+    finite and every unpadded query row has a key. One fused read of K and V."""
+    fine = jnp.all(jnp.isfinite(key)) & jnp.all(jnp.isfinite(value))
+    return fine if empty_rows is None else fine & ~jnp.any(empty_rows)
+
+
+def _exact_attention(attend, query, key, value, bias, lengths, empty_rows):
+    """`attend` with the reference path's rules for NaN/inf and for rows with no key.
+
+    Non-finite keys and values are zeroed before `attend`, so where they are
+    masked out they reach neither the output nor the gradients. Where they may
+    be attended to, the output is NaN as in the reference: the whole row for a
+    non-finite key, the channel for a non-finite value. One more call of
+    `attend` finds those entries: with zero queries and a 0 / masked bias every
+    allowed key gets the same weight, so blending a 0/1 indicator of bad
+    entries is positive exactly where one is attended (that call runs only when
+    a bad entry exists). Rows with no allowed key (`empty_rows`) are zeros.
+    Gradients through NaN outputs are zero, not NaN; and a bad key that only a
+    -inf bias hides stays hidden, where the reference path's row turns NaN.
+    """
+    key_finite, value_finite = jnp.isfinite(key), jnp.isfinite(value)
+    key = jnp.where(key_finite, key, 0)
+    output = attend(query, key, jnp.where(value_finite, value, 0), bias, lengths)
+
+    def reached():  # (B, T, N, Hv): True where an allowed key or value is bad
+        bad_key = ~jnp.all(key_finite, axis=-1, keepdims=True)  # (B, S, K, 1)
+        bad = (bad_key | ~value_finite).astype(value.dtype)  # (B, S, K, Hv)
+        allowed = None
+        if bias is not None:
+            masked = _masked_logit(bias.dtype)
+            allowed = jnp.where(lax.stop_gradient(bias) > masked, 0, masked).astype(bias.dtype)
+        return attend(jnp.zeros_like(query), lax.stop_gradient(key), bad, allowed, lengths) > 0
+
+    all_finite = jnp.all(key_finite) & jnp.all(value_finite)
+    nan_entries = lax.cond(all_finite, lambda: jnp.zeros(output.shape, jnp.bool_), reached)
+    output = jnp.where(nan_entries, jnp.nan, output)
+    return output if empty_rows is None else jnp.where(empty_rows, 0, output)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fast_when_finite(attend, query, key, value, bias, lengths, empty_rows):
+    """`_exact_attention`, at the cost of one read of K and V when there is nothing to fix.
+
+    `attend` runs on the inputs as they are when `_nothing_to_fix` (then its
+    answer is the exact one), else `_exact_attention` runs (`lax.cond`: one
+    branch executes; under `vmap` both do). The backward pass takes the same
+    branch: `attend`'s own gradient (cuDNN's backward kernel), or the exact
+    path's, recomputed. Nothing else touches Q, K or V, so where `attend` is
+    cuDNN the common case costs the kernel, one fused reduction over K and V,
+    and a conditional in each direction; under differentiation the forward
+    conditional also copies the output once (XLA gives a conditional its own
+    output buffer, and the kernel's output is kept for its backward pass).
+    tests/test_dispatch.py checks that the finite branch is jax.nn's program alone.
+    """
+    fast = _nothing_to_fix(key, value, empty_rows)
+    return lax.cond(
+        fast,
+        lambda: attend(query, key, value, bias, lengths),
+        lambda: _exact_attention(attend, query, key, value, bias, lengths, empty_rows),
+    )
+
+
+def _fast_when_finite_fwd(attend, query, key, value, bias, lengths, empty_rows):
+    fast = _nothing_to_fix(key, value, empty_rows)
+    output, attend_vjp = jax.vjp(lambda q, k, v, b: attend(q, k, v, b, lengths), query, key, value, bias)
+    exact = functools.partial(_exact_attention, attend, query, key, value, bias, lengths, empty_rows)
+    output = lax.cond(fast, lambda: output, exact)
+    return output, (fast, attend_vjp, (query, key, value, bias, lengths, empty_rows))
+
+
+def _fast_when_finite_bwd(attend, residuals, output_grad):
+    fast, attend_vjp, (query, key, value, bias, lengths, empty_rows) = residuals
+
+    def exact_grads():
+        def exact(q, k, v, b):
+            return _exact_attention(attend, q, k, v, b, lengths, empty_rows)
+
+        return jax.vjp(exact, query, key, value, bias)[1](output_grad)
+
+    grads = lax.cond(fast, lambda: attend_vjp(output_grad), exact_grads)
+    return (*grads, None, None)  # lengths and empty rows: no gradient
+
+
+_fast_when_finite.defvjp(_fast_when_finite_fwd, _fast_when_finite_bwd)
+
+
+def _flat_lengths(lengths, batch: tuple[int, ...], limit: int) -> Array | None:
+    """Lengths `[batch...]` (or broadcastable) as int32 `[B]`, clipped to [0, limit]."""
+    if lengths is None:
+        return None
+    return jnp.clip(jnp.broadcast_to(lengths, batch).reshape(-1), 0, limit).astype(jnp.int32)
+
+
+def _xla_attention(query, key, value, mask, bias, lengths, *, is_causal, scale, precision):
+    """`jax.nn.dot_product_attention` with this module's conventions.
+
+    jax.nn wants one dtype, one batch axis and a static scale, aligns its causal
+    triangle top-left, and gives a row with no allowed key the mean of the
+    values. So: inputs are cast to their result dtype and the batch dims
+    flattened (reshapes of contiguous arrays: no copies); a traced scale is
+    multiplied into the queries; the causal triangle goes to jax.nn only when
+    T == S (where top-left is bottom-right), otherwise into the mask; the mask
+    and bias (its -inf entries included) become one additive bias
+    (`_fold_into_bias`); rows with no key and non-finite keys and values are
+    handled by `_fast_when_finite`. Lengths go to jax.nn as they are. On a GPU,
+    cuDNN's fused kernel runs when `_cudnn_applies`.
     """
     *batch, T, N, _ = query.shape
-    S = key.shape[-3]
+    S, Hv = key.shape[-3], value.shape[-1]
+    batch = tuple(batch)
     dtype = jnp.result_type(query, key, value)
+    has_bias = mask is not None or bias is not None
+    cudnn = _cudnn_applies(query, key, value, has_bias, is_causal, jax.default_backend())
     query, key, value = (x.astype(dtype).reshape(-1, *x.shape[-3:]) for x in (query, key, value))
-    allowed = combine_masks(mask, causal_mask(T, S) if is_causal and T != S else None)
-    if bias is not None:
-        finite = bias > -jnp.inf
-        allowed = combine_masks(allowed, finite)
-        bias = flatten_batch(jnp.where(finite, bias, 0), tuple(batch))  # (B|1, N|1, T|1, S|1)
-    allowed = None if allowed is None else flatten_batch(allowed, tuple(batch))
-    platform = jax.default_backend()
-    cudnn = _cudnn_applies(query, key, value, allowed, bias, False, platform)
-    backend: Literal["cudnn", "xla"] = "cudnn" if cudnn else "xla"
-    if backend == "cudnn":  # cuDNN takes a static scale: scale the queries instead
+    if not isinstance(scale, (int, float)):  # traced: cuDNN takes a static scale
         query, scale = (query * scale).astype(dtype), 1.0
-    output = jax.nn.dot_product_attention(
-        query,
-        key,
-        value,
-        bias=bias,
-        mask=allowed,
-        scale=scale,
+    lengths = tuple(_flat_lengths(n, batch, limit) for n, limit in zip(lengths, (T, S), strict=True))
+    finite_bias = None if bias is None else bias > -jnp.inf
+    allowed = combine_masks(mask, causal_mask(T, S) if is_causal and T != S else None, finite_bias)
+    allowed = None if allowed is None else flatten_batch(allowed, batch)  # (B|1, N|1, T|1, S|1)
+    bias = None if bias is None else flatten_batch(bias, batch)  # (B|1, N|1, T|1, S|1)
+    bias_dtype = dtype if cudnn else jnp.promote_types(dtype, jnp.float32)
+    folded = _fold_into_bias(allowed, bias, bias_dtype, (T, S) if cudnn else None)
+    empty_rows = _rows_without_keys(allowed, is_causal and T == S, lengths, T, S)
+    attend = functools.partial(
+        _jax_nn_attention,
         is_causal=is_causal and T == S,
-        implementation=backend,
-    )  # (B, T, N, Hv)
-    if allowed is not None:
-        attended = allowed & causal_mask(T, S) if is_causal and T == S else allowed
-        has_key = jnp.any(attended, axis=-1)  # (B|1, N|1, T|1)
-        output = jnp.where(jnp.swapaxes(has_key, -1, -2)[..., None], output, 0)
-    return output.reshape(*batch, T, N, value.shape[-1])
+        scale=float(scale),
+        cudnn=cudnn,
+        precision=_matmul_precision_name(precision),
+    )
+    output = _fast_when_finite(attend, query, key, value, folded, lengths, empty_rows)  # (B, T, N, Hv)
+    return output.reshape(*batch, T, N, Hv)
 
 
-def _cudnn_applies(query, key, value, mask, bias, is_causal, platform) -> bool:
-    """Whether the "xla" path runs cuDNN's fused kernel for these inputs.
+def _cudnn_applies(query, key, value, has_bias: bool, is_causal: bool, platform: str) -> bool:
+    """Whether the "xla" path runs cuDNN's fused kernel for these inputs (jax's cuDNN checks).
 
-    On a GPU, for bf16/fp16 with H = Hv a multiple of 8 up to 128, no mask or
-    bias, and a causal triangle only when T == S (cuDNN's is top-left aligned).
+    On a GPU, for bf16/fp16 with H = Hv a multiple of 8 up to 128 (cuDNN takes
+    256 from Hopper on; 128 holds everywhere). A mask, a bias and a causal
+    triangle with T != S reach cuDNN as one additive bias `[B|1, N|1, T, S]`,
+    and cuDNN's backward pass with a bias needs even T and S.
     """
+    T, S = query.shape[-3], key.shape[-3]
     H, Hv = key.shape[-1], value.shape[-1]
+    has_bias = has_bias or (is_causal and T != S)
     return (
         platform == "gpu"
         and jnp.result_type(query, key, value) in (jnp.bfloat16, jnp.float16)
         and H == Hv
         and H % 8 == 0
         and H <= 128
-        and mask is None
-        and bias is None
-        and not (is_causal and query.shape[-3] != key.shape[-3])
+        and not (has_bias and (T % 2 or S % 2))
     )
 
 
-def _with_non_finite_semantics(attend, query, key, value, mask, bias, scale):
-    """Runs `attend(query, key, value, mask, bias, scale)`, exact for finite keys
-    and values, with the reference path's NaN/inf rules.
-
-    Non-finite keys and values are zeroed before `attend`, so where they are
-    masked out they reach neither the output nor the gradients. Where they may
-    be attended to, the output is NaN as in the reference: the whole row for a
-    non-finite key, the channel for a non-finite value. One more call of
-    `attend` finds those entries: with scale 0 and no bias every allowed key
-    gets the same weight, so blending a 0/1 indicator of bad entries is
-    positive exactly where one is attended. It runs only when a bad entry
-    exists (`lax.cond`; under `vmap`, where the condition is batched, it always
-    runs). Gradients through NaN outputs are zero, not NaN; and a bad key that
-    only a -inf bias (no mask) hides stays hidden, where the reference path's
-    row turns NaN.
-    """
-    key_finite, value_finite = jnp.isfinite(key), jnp.isfinite(value)
-    key = jnp.where(key_finite, key, 0)
-    output = attend(query, key, jnp.where(value_finite, value, 0), mask, bias, scale)
-
-    def reached():  # (..., T, N, Hv): True where an allowed key or value is bad
-        bad_key = ~jnp.all(key_finite, axis=-1, keepdims=True)  # (..., S, K, 1)
-        bad = (bad_key | ~value_finite).astype(jnp.float32)  # (..., S, K, Hv)
-        allowed = mask if bias is None else combine_masks(mask, bias > -jnp.inf)
-        query_, key_ = lax.stop_gradient(query), lax.stop_gradient(key)
-        return attend(query_, key_, bad, allowed, None, 0.0) > 0
-
-    all_finite = jnp.all(key_finite) & jnp.all(value_finite)
-    nan_entries = lax.cond(all_finite, lambda: jnp.zeros(output.shape, jnp.bool_), reached)
-    return jnp.where(nan_entries, jnp.nan, output)
+# ----------------------------------------------------------------------------- dispatch
 
 
 def _ineligibility(implementation, query, key, value, dropout_rate, return_weights, platform) -> str | None:
@@ -399,14 +612,17 @@ def select_implementation(
 
     Arguments as for `dot_product_attention`; arrays need only `.shape` and
     `.dtype` (`jax.ShapeDtypeStruct` will do), and of `mask` and `bias` only
-    whether they are given matters. `platform` defaults to
-    `jax.default_backend()`. The rule:
+    whether they are given matters (sequence lengths and `precision` do not
+    change the path). `platform` defaults to `jax.default_backend()`. The rule:
 
     1. `return_weights` or `dropout_rate > 0`: "reference", the only path that
        does either.
-    2. On a GPU where cuDNN's fused kernel applies (bf16/fp16, H = Hv a
-       multiple of 8 up to 128, no mask or bias, causal only with T == S):
-       "xla", which hands the call to cuDNN.
+    2. On a GPU where cuDNN's fused kernel applies: "xla", which hands the call
+       to cuDNN. That is bf16/fp16 with H = Hv a multiple of 8 up to 128, with
+       or without causal masking and lengths; a mask, a bias or causal with
+       T != S (all passed to cuDNN as one additive bias `[batch, N|1, T, S]`,
+       the causal triangle aligned bottom-right as everywhere here) need even
+       T and S. Padding given as lengths costs no bias.
     3. At least `CHUNKED_MIN_KEYS` keys: "chunked". On CPU it is the fastest
        path from there on, forward and backward, and its memory does not grow
        with T x S (benchmarks/results/attention.json).
@@ -414,13 +630,15 @@ def select_implementation(
        and faster backward; "xla" on accelerators when eligible (H = Hv, not
        float64), else "reference".
 
-    Steps 2 and 4 for accelerators follow jax.nn's and cuDNN's purpose, not a
-    measurement on this project's machines; benchmarks/gpu.sh measures them.
+    Steps 2 and 4 follow the GPU measurements of issue 19 (cuDNN 10-20x faster
+    than "chunked" on an H200, masked or not); benchmarks/gpu.sh measures them
+    and benchmarks/gpu_check.sh checks every case of step 2 against the
+    reference on the GPU.
     """
     if return_weights or dropout_rate > 0.0:
         return "reference"
     platform = jax.default_backend() if platform is None else platform
-    if _cudnn_applies(query, key, value, mask, bias, is_causal, platform):
+    if _cudnn_applies(query, key, value, mask is not None or bias is not None, is_causal, platform):
         return "xla"
     if key.shape[-3] >= CHUNKED_MIN_KEYS:
         return "chunked"
@@ -429,7 +647,91 @@ def select_implementation(
     return "reference"
 
 
-def _dot_product_attention(
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The arguments of `dot_product_attention` that shape the program (jit-static)."""
+
+    is_causal: bool
+    scale: float | None  # a Python-number scale, compiled in (cuDNN takes no traced one)
+    dropout_rate: float
+    return_weights: bool
+    implementation: str | None
+    precision: Any
+
+
+def _checked_implementation(static: _Static, query, key, value, mask, bias) -> str:
+    """The path that runs: the one asked for, or the rule's; raises if it cannot compute the call."""
+    implementation = static.implementation
+    if implementation is None:
+        implementation = select_implementation(
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=static.is_causal,
+            dropout_rate=static.dropout_rate,
+            return_weights=static.return_weights,
+        )
+    elif implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"dot_product_attention: implementation must be None or one of {IMPLEMENTATIONS}, "
+            f"got {implementation!r}"
+        )
+    platform = jax.default_backend()
+    reason = _ineligibility(
+        implementation, query, key, value, static.dropout_rate, static.return_weights, platform
+    )
+    if reason is not None:
+        raise ValueError(f"dot_product_attention: implementation={implementation!r} {reason}")
+    return implementation
+
+
+def _attention(query, key, value, mask, bias, scale, lengths, dropout_rng, *, static: _Static):
+    """`dot_product_attention` under `jax.jit`: `lengths` is (query lengths, key lengths)."""
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    mask, bias, query_lengths, key_lengths = (
+        None if x is None else jnp.asarray(x) for x in (mask, bias, *lengths)
+    )
+    _validate(query, key, value, mask, bias, static.dropout_rate, dropout_rng)
+    _validate_lengths("query_seq_lengths", query_lengths, query.shape[:-3])
+    _validate_lengths("key_value_seq_lengths", key_lengths, query.shape[:-3])
+    implementation = _checked_implementation(static, query, key, value, mask, bias)
+    if static.scale is not None:
+        scale = static.scale
+    elif scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if implementation == "reference":
+        mask = combine_masks(
+            mask, *_lengths_masks(query_lengths, key_lengths, query.shape[-3], key.shape[-3])
+        )
+        arguments = (static.is_causal, scale, static.dropout_rate, dropout_rng, static.return_weights)
+        return _reference_attention(query, key, value, mask, bias, *arguments, static.precision)
+    if implementation == "chunked":
+        return chunked_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=static.is_causal,
+            scale=scale,
+            query_seq_lengths=query_lengths,
+            key_value_seq_lengths=key_lengths,
+            precision=static.precision,
+        )
+    options = dict(is_causal=static.is_causal, scale=scale, precision=static.precision)
+    return _xla_attention(query, key, value, mask, bias, (query_lengths, key_lengths), **options)
+
+
+_jitted_attention = jax.jit(_attention, static_argnames=("static",))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def dot_product_attention(
     query: Any,
     key: Any,
     value: Any,
@@ -437,11 +739,14 @@ def _dot_product_attention(
     mask: Any = None,
     bias: Any = None,
     is_causal: bool = False,
-    scale: float | None = None,
+    scale: Any = None,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
     return_weights: bool = False,
     implementation: str | None = None,
+    precision: PrecisionLike = None,
 ):
     """softmax(Q K^T * scale + bias, masked) V for query heads sharing kv heads.
 
@@ -456,6 +761,15 @@ def _dot_product_attention(
         `-inf` entries act like a False mask.
       is_causal: also apply `causal_mask(T, S)` (queries are the last T of S).
       scale: multiplies the logits; defaults to `1/sqrt(H)` (the "thermostat").
+        A Python number is compiled in (as cuDNN needs); an array is traced,
+        and differentiable.
+      query_seq_lengths: optional integer lengths `[batch...]` (jax.nn's name):
+        queries t >= length are padding, with zero output and no gradient.
+      key_value_seq_lengths: optional integer lengths `[batch...]`: keys
+        s >= length are never attended, as with
+        `mask=padding_mask(lengths, S)`. Prefer lengths to a padding mask: on a
+        GPU cuDNN then skips the padding instead of reading a `[T, S]` bias.
+        Lengths must lie in [0, T] and [0, S] (checked when concrete).
       dropout_rate: inverted dropout on the attention weights (needs dropout_rng).
       dropout_rng: a PRNG key, used only when dropout_rate > 0.
       return_weights: also return the attention weights `[batch..., N, T, S]`,
@@ -465,7 +779,8 @@ def _dot_product_attention(
         "reference": the explicit einsum/softmax over the whole logits; the
           only one that returns weights or applies dropout.
         "xla": `jax.nn.dot_product_attention` (cuDNN on a GPU when it
-          applies); needs Hv == H, not float64, not float16 on CPU.
+          applies, masks and bias included); needs Hv == H, not float64, not
+          float16 on CPU. Reverse-mode differentiable only, as is "chunked".
         "chunked": `qkv_jax.chunked.chunked_attention`, blocked online
           softmax with memory O(T x block).
         None: `select_implementation`'s rule (see there): "reference" for
@@ -473,6 +788,14 @@ def _dot_product_attention(
           from `CHUNKED_MIN_KEYS` keys; below that "reference" on CPU, "xla"
           (when eligible) on accelerators.
         Asking for a path that cannot compute the call raises ValueError.
+      precision: matmul precision of every dot, forward and backward, as flax
+        spells it: None (JAX's default, i.e. `jax_default_matmul_precision`),
+        'default' / 'high' / 'highest' (or 'bfloat16' / 'tensorfloat32' /
+        'float32'), a `jax.lax.Precision`, or a pair of them. On Ampere and
+        newer GPUs JAX's default runs float32 matmuls in TF32; 'highest' keeps
+        them float32. jax.nn has no precision argument, so the "xla" path sets
+        `jax.default_matmul_precision` around its call (a pair: the higher of
+        the two); cuDNN's kernel ignores it (bf16/fp16 inputs).
 
     Returns:
       `[batch..., T, N, Hv]` in the inputs' dtype, and the weights if asked.
@@ -480,48 +803,21 @@ def _dot_product_attention(
       logits and softmax are computed in at least float32. A NaN or inf in a
       key or value that is masked out never reaches the output.
 
-    The function is jit-compiled (`is_causal`, `dropout_rate`, `return_weights`
-    and `implementation` are static), so eager calls compile once per shape.
+    The function is jit-compiled (`is_causal`, a numeric `scale`,
+    `dropout_rate`, `return_weights`, `implementation` and `precision` are
+    static), so eager calls compile once per shape.
     """
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    mask = None if mask is None else jnp.asarray(mask)
-    bias = None if bias is None else jnp.asarray(bias)
-    _validate(query, key, value, mask, bias, dropout_rate, dropout_rng)
-    if implementation is None:
-        implementation = select_implementation(
-            query,
-            key,
-            value,
-            mask=mask,
-            bias=bias,
-            is_causal=is_causal,
-            dropout_rate=dropout_rate,
-            return_weights=return_weights,
-        )
-    elif implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"dot_product_attention: implementation must be None or one of {IMPLEMENTATIONS}, "
-            f"got {implementation!r}"
-        )
-    reason = _ineligibility(
-        implementation, query, key, value, dropout_rate, return_weights, jax.default_backend()
-    )
-    if reason is not None:
-        raise ValueError(f"dot_product_attention: implementation={implementation!r} {reason}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    if implementation == "reference":
-        return _reference_attention(
-            query, key, value, mask, bias, is_causal, scale, dropout_rate, dropout_rng, return_weights
-        )
-    if implementation == "chunked":
-        return chunked_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale)
-    return _with_non_finite_semantics(
-        functools.partial(_xla_attention, is_causal=is_causal), query, key, value, mask, bias, scale
-    )
-
-
-dot_product_attention = jax.jit(
-    _dot_product_attention,
-    static_argnames=("is_causal", "dropout_rate", "return_weights", "implementation"),
-)
+    static_scale = None
+    if _is_number(scale):
+        static_scale, scale = float(scale), None
+    for name, lengths, x, limit_name in (
+        ("query_seq_lengths", query_seq_lengths, query, "T"),
+        ("key_value_seq_lengths", key_value_seq_lengths, key, "S"),
+    ):
+        if np.ndim(x) >= 3:  # else _validate names the bad rank
+            _check_length_values("dot_product_attention", name, lengths, limit_name, np.shape(x)[-3])
+    if isinstance(precision, list):
+        precision = tuple(precision)
+    static = _Static(is_causal, static_scale, dropout_rate, return_weights, implementation, precision)
+    lengths = (query_seq_lengths, key_value_seq_lengths)
+    return _jitted_attention(query, key, value, mask, bias, scale, lengths, dropout_rng, static=static)

@@ -18,7 +18,9 @@ Inside, each kv head gets one matrix of query rows, `[B, K, T*G, H]` with
 `B` the flattened batch, `G = N // K` query heads per kv head and row
 `t * G + g`; a block of `block_q` positions is then `block_q * G` contiguous
 rows and every dot has the single batch `(B, K)` with 2-D operands, which XLA
-runs at the CPU's matmul speed.
+runs at the CPU's matmul speed. Every dot, forward and backward, takes the
+call's `precision`. Sequence lengths mask each tile as it is computed (no
+`[T, S]` mask is built).
 
 Non-finite keys and values behave as in the reference path: they are zeroed
 for the matmuls, so where masked out they reach neither output nor gradients;
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,14 @@ class _BadEntries(NamedTuple):
     blocks: Array  # (nk,) bool: key blocks holding one
 
 
+class _Masking(NamedTuple):
+    """What may be attended besides causality: a tiled mask and per-sequence lengths."""
+
+    mask: Array | None  # (B|1, K|1, Tp|1, G|1, Sp|1) bool
+    query_lengths: Array | None  # (B,) int: rows t >= length are padding
+    key_lengths: Array | None  # (B,) int: keys s >= length are never attended
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tiling:
     """Static facts of one call: real lengths, block sizes, grouping, dtype."""
@@ -69,6 +79,7 @@ class _Tiling:
     block_k: int
     is_causal: bool
     dtype: jnp.dtype  # of logits, softmax and accumulators
+    precision: Any = None  # of every dot (flax's PrecisionLike)
 
     @property
     def num_query_blocks(self) -> int:
@@ -128,47 +139,59 @@ def _mask_tile(x: Array | None, i: Array, j: Array, tiling: _Tiling) -> Array | 
     return x.reshape(B, K, -1, keys)  # (B|1, K|1, bq*G|1, bk|1)
 
 
-def _logits(query_rows, key_block, key_nan, mask, bias, scale, i, j, tiling: _Tiling) -> Array:
+def _and(a: Array | None, b: Array) -> Array:
+    return b if a is None else a & b
+
+
+def _logits(query_rows, key_block, key_nan, masking: _Masking, bias, scale, i, j, tiling: _Tiling) -> Array:
     """Scaled, biased, masked logits of tile (i, j): `[B, K, bq*G, bk]`.
 
     `key_nan` `[B, K, Sp]` is NaN for keys that had a non-finite entry, else 0.
-    Forbidden entries are -inf: the mask, the causal triangle, and the keys
-    that pad S to whole blocks.
+    Forbidden entries are -inf: the mask, the causal triangle, keys and query
+    rows beyond their sequence's length, and the keys that pad S to whole blocks.
     """
     logits = jnp.einsum(
-        "bkrh,bkch->bkrc", query_rows, key_block, preferred_element_type=tiling.dtype
+        "bkrh,bkch->bkrc",
+        query_rows,
+        key_block,
+        preferred_element_type=tiling.dtype,
+        precision=tiling.precision,
     )  # (B, K, bq*G, bk)
     logits = logits * scale + _slice(key_nan, 2, j, tiling.block_k)[:, :, None, :]
     if bias is not None:
         logits = logits + _mask_tile(bias, i, j, tiling)
-    allowed = _mask_tile(mask, i, j, tiling)
+    allowed = _mask_tile(masking.mask, i, j, tiling)
     key_pos = j * tiling.block_k + jnp.arange(tiling.block_k)  # (bk,)
+    row_pos = i * tiling.block_q + jnp.arange(tiling.block_rows) // tiling.G  # (bq*G,)
     if tiling.is_causal:
-        row_pos = i * tiling.block_q + jnp.arange(tiling.block_rows) // tiling.G  # (bq*G,)
-        causal = key_pos[None, :] <= row_pos[:, None] + (tiling.S - tiling.T)  # (bq*G, bk)
-        allowed = causal if allowed is None else allowed & causal
+        allowed = _and(allowed, key_pos[None, :] <= row_pos[:, None] + (tiling.S - tiling.T))  # (bq*G, bk)
+    if masking.key_lengths is not None:
+        key_valid = key_pos[None, :] < masking.key_lengths[:, None]  # (B, bk)
+        allowed = _and(allowed, key_valid[:, None, None, :])  # (B, 1, 1, bk)
+    if masking.query_lengths is not None:
+        row_valid = row_pos[None, :] < masking.query_lengths[:, None]  # (B, bq*G)
+        allowed = _and(allowed, row_valid[:, None, :, None])  # (B, 1, bq*G, 1)
     if tiling.S % tiling.block_k:
-        in_range = key_pos < tiling.S  # (bk,)
-        allowed = in_range if allowed is None else allowed & in_range
+        allowed = _and(allowed, key_pos < tiling.S)  # (bk,)
     if allowed is None:
         return logits
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _softmax_step(logits, value_block, row_max, normaliser, accumulator):
+def _softmax_step(logits, value_block, row_max, normaliser, accumulator, *, precision):
     """Folds one key block into a query block's running softmax.
 
     logits `[B, K, rows, bk]`, value_block `[B, K, bk, Hv]`; the state is the
     row maximum and normaliser `[B, K, rows]` and the output accumulator
     `[B, K, rows, Hv]`, all relative to the row maximum. Returns the new state
-    and the block's weights relative to the new maximum.
+    and the block's weights relative to the new maximum. `precision`: of the dot.
     """
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))  # (B, K, rows)
     shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite, for all-masked rows
     weights = jnp.exp(logits - shift[..., None])  # (B, K, rows, bk)
     rescale = jnp.exp(row_max - shift)  # (B, K, rows)
     normaliser = normaliser * rescale + jnp.sum(weights, axis=-1)
-    blended = jnp.einsum("bkrc,bkch->bkrh", weights, value_block)  # (B, K, rows, Hv)
+    blended = jnp.einsum("bkrc,bkch->bkrh", weights, value_block, precision=precision)  # (B, K, rows, Hv)
     return (new_max, normaliser, accumulator * rescale[..., None] + blended), weights
 
 
@@ -191,7 +214,7 @@ def _finish(row_max, normaliser, accumulator):
     return output, jnp.where(has_keys, row_max + jnp.log(normaliser), 0.0)
 
 
-def _poison_step(poison, logits, bad_values, has_bad):
+def _poison_step(poison, logits, bad_values, has_bad, precision):
     """Marks the (row, channel) pairs of `poison` `[B, K, rows, Hv]` that attend a bad value.
 
     `bad_values` `[B, K, bk, Hv]` flags non-finite values; an entry is attended
@@ -201,13 +224,14 @@ def _poison_step(poison, logits, bad_values, has_bad):
 
     def mark(poison):
         allowed = (logits > -jnp.inf).astype(logits.dtype)  # (B, K, rows, bk)
-        reached = jnp.einsum("bkrc,bkch->bkrh", allowed, bad_values.astype(logits.dtype))  # (B, K, rows, Hv)
+        bad = bad_values.astype(logits.dtype)  # (B, K, bk, Hv)
+        reached = jnp.einsum("bkrc,bkch->bkrh", allowed, bad, precision=precision)  # (B, K, rows, Hv)
         return poison | (reached > 0)
 
     return lax.cond(has_bad, mark, lambda poison: poison, poison)
 
 
-def _forward(tiling: _Tiling, query, key, value, bad, mask, bias, scale):
+def _forward(tiling: _Tiling, query, key, value, bad, masking, bias, scale):
     """Output `[B, K, Tp*G, Hv]`, row log-sum-exp `[B, K, Tp*G]` and the poisoned
     (row, channel) pairs `[B, K, Tp*G, Hv]`."""
     B, K, _, _ = query.shape
@@ -220,10 +244,12 @@ def _forward(tiling: _Tiling, query, key, value, bad, mask, bias, scale):
             softmax_state, poison = state
             key_j = _slice(key, 2, j, tiling.block_k)  # (B, K, bk, H)
             value_j = _slice(value, 2, j, tiling.block_k).astype(tiling.dtype)  # (B, K, bk, Hv)
-            logits = _logits(query_i, key_j, bad.key_nan, mask, bias, scale, i, j, tiling)  # (B, K, bq*G, bk)
-            softmax_state, _ = _softmax_step(logits, value_j, *softmax_state)
+            logits = _logits(
+                query_i, key_j, bad.key_nan, masking, bias, scale, i, j, tiling
+            )  # (B, K, bq*G, bk)
+            softmax_state, _ = _softmax_step(logits, value_j, *softmax_state, precision=tiling.precision)
             bad_j = _slice(bad.values, 2, j, tiling.block_k)  # (B, K, bk, Hv)
-            return softmax_state, _poison_step(poison, logits, bad_j, bad.blocks[j])
+            return softmax_state, _poison_step(poison, logits, bad_j, bad.blocks[j], tiling.precision)
 
         init = (
             _initial_state(B, K, tiling.block_rows, Hv, tiling.dtype),
@@ -240,7 +266,7 @@ def _forward(tiling: _Tiling, query, key, value, bad, mask, bias, scale):
     return output, log_sum_exp, poison
 
 
-def _single_tile_forward(tiling: _Tiling, query, key, value, bad, mask, bias, scale):
+def _single_tile_forward(tiling: _Tiling, query, key, value, bad, masking, bias, scale):
     """Output, attention weights `[B, K, T*G, S]` and poisoned pairs when one tile is all.
 
     The weights are then O(T x block) too, and saving them spares the backward
@@ -248,28 +274,30 @@ def _single_tile_forward(tiling: _Tiling, query, key, value, bad, mask, bias, sc
     """
     B, K, _, _ = query.shape
     Hv = value.shape[-1]
-    logits = _logits(query, key, bad.key_nan, mask, bias, scale, 0, 0, tiling)  # (B, K, T*G, S)
+    logits = _logits(query, key, bad.key_nan, masking, bias, scale, 0, 0, tiling)  # (B, K, T*G, S)
     init = _initial_state(B, K, query.shape[2], Hv, tiling.dtype)
-    state, weights = _softmax_step(logits, value.astype(tiling.dtype), *init)
+    state, weights = _softmax_step(logits, value.astype(tiling.dtype), *init, precision=tiling.precision)
     normaliser = state[1]
     weights = weights / jnp.where(normaliser > 0, normaliser, 1.0)[..., None]  # (B, K, T*G, S)
-    poison = _poison_step(jnp.zeros(state[2].shape, jnp.bool_), logits, bad.values, bad.blocks[0])
+    poison = _poison_step(
+        jnp.zeros(state[2].shape, jnp.bool_), logits, bad.values, bad.blocks[0], tiling.precision
+    )
     return _finish(*state)[0], weights, poison
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(tiling: _Tiling, query, key, value, bad, mask, bias, scale):
+def _attention(tiling: _Tiling, query, key, value, bad, masking, bias, scale):
     """(output `[B, K, Tp*G, Hv]` with bad values zeroed, poisoned pairs `[B, K, Tp*G, Hv]`)."""
-    output, _, poison = _forward(tiling, query, key, value, bad, mask, bias, scale)
+    output, _, poison = _forward(tiling, query, key, value, bad, masking, bias, scale)
     return output, poison
 
 
-def _attention_fwd(tiling: _Tiling, query, key, value, bad, mask, bias, scale):
+def _attention_fwd(tiling: _Tiling, query, key, value, bad, masking, bias, scale):
     """Saves the row log-sum-exp, or for a single tile the weights themselves."""
     forward = _single_tile_forward if tiling.single_tile else _forward
-    inputs = (query, key, value, bad, mask, bias, scale)
+    inputs = (query, key, value, bad, masking, bias, scale)
     output, softmax_residual, poison = forward(tiling, *inputs)
-    return (output, poison), (query, key, value, bad.key_nan, mask, bias, scale, output, softmax_residual)
+    return (output, poison), (query, key, value, bad.key_nan, masking, bias, scale, output, softmax_residual)
 
 
 def _add_bias_grad(bias_grad: Array, logits_grad: Array, i, j, tiling: _Tiling) -> Array:
@@ -301,19 +329,20 @@ def _attention_bwd(tiling: _Tiling, residuals, cotangents):
     dBias_ij = dS. dK and dV are accumulated transposed, `[B, K, H, bk]`:
     XLA runs `Q^T dS` as a faster CPU dot than `dS^T Q`.
     """
-    query, key, value, key_nan, mask, bias, scale, output, softmax_residual = residuals
+    query, key, value, key_nan, masking, bias, scale, output, softmax_residual = residuals
     output_grad, _ = cotangents  # the poisoned pairs are boolean: no cotangent
     dtype = tiling.dtype
     B, K, _, H = query.shape
     Hv = value.shape[-1]
     output_grad = output_grad.astype(dtype)  # (B, K, Tp*G, Hv)
+    dot = functools.partial(jnp.einsum, precision=tiling.precision)  # dQ, dK unscaled until the end
     row_dot = jnp.sum(output_grad * output, axis=-1, keepdims=True)  # D: (B, K, Tp*G, 1)
 
     def tile_weights(query_i, key_j, i, j):  # (B, K, bq*G, bk)
         if tiling.single_tile:
             return softmax_residual  # the saved weights
         log_sum_exp = _rows(softmax_residual, i, tiling)[..., None]  # (B, K, bq*G, 1)
-        return jnp.exp(_logits(query_i, key_j, key_nan, mask, bias, scale, i, j, tiling) - log_sum_exp)
+        return jnp.exp(_logits(query_i, key_j, key_nan, masking, bias, scale, i, j, tiling) - log_sum_exp)
 
     def key_block(carry, j):
         key_j = _slice(key, 2, j, tiling.block_k)  # (B, K, bk, H)
@@ -324,18 +353,14 @@ def _attention_bwd(tiling: _Tiling, residuals, cotangents):
             query_i = _rows(query, i, tiling)  # (B, K, bq*G, H)
             output_grad_i = _rows(output_grad, i, tiling)  # (B, K, bq*G, Hv)
             weights = tile_weights(query_i, key_j, i, j)  # (B, K, bq*G, bk)
-            value_grad_t += jnp.einsum("bkrh,bkrc->bkhc", output_grad_i, weights)  # (B, K, Hv, bk)
-            weights_grad = jnp.einsum("bkrh,bkch->bkrc", output_grad_i, value_j)  # (B, K, bq*G, bk)
+            value_grad_t += dot("bkrh,bkrc->bkhc", output_grad_i, weights)  # (B, K, Hv, bk)
+            weights_grad = dot("bkrh,bkch->bkrc", output_grad_i, value_j)  # (B, K, bq*G, bk)
             logits_grad = weights * (weights_grad - _rows(row_dot, i, tiling))  # (B, K, bq*G, bk)
-            query_grad_i = jnp.einsum(
-                "bkrc,bkch->bkrh", logits_grad, key_j.astype(dtype)
-            )  # (B, K, bq*G, H), unscaled: dS K
+            query_grad_i = dot("bkrc,bkch->bkrh", logits_grad, key_j.astype(dtype))  # (B, K, bq*G, H), dS K
             query_grad = lax.dynamic_update_slice_in_dim(
                 query_grad, _rows(query_grad, i, tiling) + query_grad_i, i * tiling.block_rows, axis=2
             )  # (B, K, Tp*G, H)
-            key_grad_t += jnp.einsum(
-                "bkrh,bkrc->bkhc", query_i.astype(dtype), logits_grad
-            )  # (B, K, H, bk), unscaled: Q^T dS
+            key_grad_t += dot("bkrh,bkrc->bkhc", query_i.astype(dtype), logits_grad)  # (B, K, H, bk), Q^T dS
             if bias is not None:
                 bias_grad = _add_bias_grad(bias_grad, logits_grad, i, j, tiling)
             return query_grad, bias_grad, key_grad_t, value_grad_t
@@ -363,7 +388,7 @@ def _attention_bwd(tiling: _Tiling, residuals, cotangents):
         (query_grad * scale).astype(query.dtype),
         (key_grad * scale).astype(key.dtype),
         value_grad.astype(value.dtype),
-        None,  # `bad` and the mask: no gradient
+        None,  # `bad` and the masking: no gradient
         None,
         None if bias is None or bias_grad is None else bias_grad.astype(bias.dtype),
         scale_grad.astype(scale.dtype),
@@ -412,6 +437,20 @@ def _to_tiles(x: Array | None, batch: tuple[int, ...], K: int, Tp: int, Sp: int,
     return _pad_axis(_pad_axis(x, 2, Tp, fill), 4, Sp, fill)
 
 
+def _bad_entries(key_finite: Array, value_finite: Array, tiling: _Tiling) -> _BadEntries:
+    """`_BadEntries` from where keys `[batch..., S, K, H]` and values `[..., S, K, Hv]` are finite."""
+    *_, S, K, Hv = value_finite.shape
+    Sp = tiling.num_key_blocks * tiling.block_k
+    key_nan = jnp.where(jnp.all(key_finite, axis=-1), 0.0, jnp.nan).astype(tiling.dtype)  # (..., S, K)
+    key_nan = _pad_axis(jnp.swapaxes(key_nan.reshape(-1, S, K), 1, 2), 2, Sp)  # (B, K, Sp)
+    bad_values = jnp.swapaxes(~value_finite.reshape(-1, S, K, Hv), 1, 2)  # (B, K, S, Hv)
+    bad_values = _pad_axis(bad_values, 2, Sp, False)  # (B, K, Sp, Hv)
+    bad_blocks = jnp.any(
+        bad_values.reshape(*bad_values.shape[:2], -1, tiling.block_k, Hv), axis=(0, 1, 3, 4)
+    )  # (nk,)
+    return _BadEntries(key_nan, bad_values, bad_blocks)
+
+
 def chunked_attention(
     query: Array,
     key: Array,
@@ -421,8 +460,11 @@ def chunked_attention(
     bias: Array | None = None,
     is_causal: bool = False,
     scale: float | Array | None = None,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    precision: Any = None,
 ) -> Array:
     """Attention in `[block_q, block_k]` tiles with O(T x block) memory.
 
@@ -438,8 +480,15 @@ def chunked_attention(
       is_causal: the T queries are the last T of S positions; key blocks above
         the diagonal are skipped.
       scale: logits multiplier, default `1/sqrt(H)`.
+      query_seq_lengths: optional integer lengths `[batch...]`: query rows
+        t >= length are padding (zero output, no gradient).
+      key_value_seq_lengths: optional integer lengths `[batch...]`: keys
+        s >= length are never attended. Both act tile by tile, with no
+        `[T, S]` mask in memory.
       block_q, block_k: tile sizes, clipped to T and S; T and S are padded to
         whole blocks.
+      precision: of every dot, forward and backward (flax's spelling: None,
+        a string, a `jax.lax.Precision` or a pair); None is JAX's default.
 
     Returns:
       `[batch..., T, N, Hv]` in the inputs' result dtype. Logits, softmax and
@@ -463,28 +512,28 @@ def chunked_attention(
         block_k=min(block_k, S),
         is_causal=is_causal,
         dtype=compute_dtype,
+        precision=precision,
     )
     Tp = tiling.num_query_blocks * tiling.block_q  # T padded to whole blocks
     Sp = tiling.num_key_blocks * tiling.block_k
     key_finite, value_finite = jnp.isfinite(key), jnp.isfinite(value)
-    key_nan = jnp.where(jnp.all(key_finite, axis=-1), 0.0, jnp.nan).astype(compute_dtype)  # (..., S, K)
-    key_nan = _pad_axis(jnp.swapaxes(key_nan.reshape(-1, S, K), 1, 2), 2, Sp)  # (B, K, Sp)
-    bad_values = jnp.swapaxes(~value_finite.reshape(-1, S, K, Hv), 1, 2)  # (B, K, S, Hv)
-    bad_values = _pad_axis(bad_values, 2, Sp, False)  # (B, K, Sp, Hv)
-    bad_blocks = jnp.any(
-        bad_values.reshape(*bad_values.shape[:2], -1, tiling.block_k, Hv), axis=(0, 1, 3, 4)
-    )  # (nk,)
-    bad = _BadEntries(key_nan, bad_values, bad_blocks)
+    bad = _bad_entries(key_finite, value_finite, tiling)
     query = jnp.swapaxes(query.reshape(-1, T, K, G, H), 1, 2)  # (B, K, T, G, H)
     query = _pad_axis(query, 2, Tp).reshape(-1, K, Tp * G, H)  # (B, K, Tp*G, H)
     key = jnp.where(key_finite, key, 0).reshape(-1, S, K, H)  # (B, S, K, H)
     key = _pad_axis(jnp.swapaxes(key, 1, 2), 2, Sp)  # (B, K, Sp, H)
     value = jnp.where(value_finite, value, 0).reshape(-1, S, K, Hv)  # (B, S, K, Hv)
     value = _pad_axis(jnp.swapaxes(value, 1, 2), 2, Sp)  # (B, K, Sp, Hv)
-    mask = _to_tiles(mask, tuple(batch), K, Tp, Sp, False)  # (B|1, K|1, Tp|1, G|1, Sp|1)
+    masking = _Masking(
+        _to_tiles(mask, tuple(batch), K, Tp, Sp, False),  # (B|1, K|1, Tp|1, G|1, Sp|1)
+        *(
+            None if n is None else jnp.broadcast_to(n, tuple(batch)).reshape(-1)  # (B,)
+            for n in (query_seq_lengths, key_value_seq_lengths)
+        ),
+    )
     if bias is not None:
         bias = _to_tiles(bias.astype(compute_dtype), tuple(batch), K, Tp, Sp, 0)
     scale = jnp.asarray(1.0 / math.sqrt(H) if scale is None else scale, compute_dtype)
-    output, poison = _attention(tiling, query, key, value, bad, mask, bias, scale)  # (B, K, Tp*G, Hv) both
+    output, poison = _attention(tiling, query, key, value, bad, masking, bias, scale)  # (B, K, Tp*G, Hv) both
     output = jnp.where(poison, jnp.nan, output).reshape(-1, K, Tp, G, Hv)[:, :, :T]  # (B, K, T, G, Hv)
     return jnp.swapaxes(output, 1, 2).reshape(*batch, T, N, Hv).astype(out_dtype)

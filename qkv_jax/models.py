@@ -5,6 +5,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from qkv_jax.attention import PrecisionLike
 from qkv_jax.modules import LearnedQueryAttention, MultiHeadAttention, StaticAttention
 
 __all__ = ["FlagReader", "FLAG_READER_KINDS"]
@@ -29,6 +30,9 @@ class FlagReader(nn.Module):
         `num_heads` heads of query/key depth `d_k // num_heads` and value depth
         `d_v // num_heads`, then W_O, all without bias. The parameter count does not depend on
         `num_heads`: the heads split fixed total widths d_k and d_v.
+
+    `precision` (None: JAX's default) goes to every projection and attention
+    dot of whichever kind is built.
     """
 
     kind: str
@@ -38,18 +42,26 @@ class FlagReader(nn.Module):
     num_heads: int = 1
     num_flags: int = 1
     scaled: bool = True
+    precision: PrecisionLike = None
 
     @nn.compact
     def __call__(self, inputs):
         scale = None if self.scaled else 1.0
         if self.kind == "learned_query":
             output, _ = LearnedQueryAttention(
-                d_k=self.d_k, d_v=self.out_features, scale=scale, sow_weights=True, name="attention"
+                d_k=self.d_k,
+                d_v=self.out_features,
+                scale=scale,
+                sow_weights=True,
+                precision=self.precision,
+                name="attention",
             )(inputs)
             return output  # (..., out_features)
         if self.kind == "static":
             query = jnp.mean(inputs, axis=-2, keepdims=True)  # (..., 1, D)
-            blended = StaticAttention(scale=scale, sow_weights=True, name="attention")(query, inputs)
+            blended = StaticAttention(
+                scale=scale, sow_weights=True, precision=self.precision, name="attention"
+            )(query, inputs)
             content = blended[..., 0, : inputs.shape[-1] - self.num_flags]  # (..., C)
             return jnp.tile(content, self.num_flags)  # (..., F * C)
         if self.kind == "multihead":
@@ -64,6 +76,7 @@ class FlagReader(nn.Module):
                 out_features=self.out_features,
                 scale=scale,
                 sow_weights=True,
+                precision=self.precision,
                 name="attention",
             )(query, inputs)  # (..., 1, out_features)
             return output[..., 0, :]

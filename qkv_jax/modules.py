@@ -10,6 +10,10 @@ dims `[batch..., S, D]`; `jax.vmap` of `apply` over a batch equals the batched
   LearnedQueryAttention  one learned query vector reads a sequence (seed 000).
   MultiHeadAttention     N heads, grouped K/V heads, output projection W_O,
                          optional latent K/V (MLA) and a KV cache for decoding.
+
+Each takes `precision` (flax's spelling: None for JAX's default, 'highest',
+a `jax.lax.Precision`, a pair, ...), passed to every projection and to every
+dot of the attention itself, forward and backward.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import checkify
 
-from qkv_jax.attention import combine_masks, dot_product_attention
+from qkv_jax.attention import PrecisionLike, combine_masks, dot_product_attention
 
 Array = jax.Array
 Dtype = Any
@@ -84,8 +88,9 @@ def _single_head(
     """One attention head on `[..., T, H]`, `[..., S, H]`, `[..., S, Hv]`.
 
     `mask` broadcasts to `[..., T, S]`. Returns `[..., T, Hv]` and the attention
-    weights `[..., T, S]`. Reads `is_causal`, `scale`, `dropout_rate` and
-    `sow_weights` from `module`; sown weights keep a head axis, `[..., 1, T, S]`.
+    weights `[..., T, S]`. Reads `is_causal`, `scale`, `dropout_rate`,
+    `precision` and `sow_weights` from `module`; sown weights keep a head axis,
+    `[..., 1, T, S]`.
     """
     if mask is not None:
         mask = jnp.asarray(mask)
@@ -100,6 +105,7 @@ def _single_head(
         scale=module.scale,
         **_dropout(module, module.dropout_rate, deterministic),
         return_weights=True,
+        precision=module.precision,
     )
     if module.sow_weights:  # with the head axis, as MultiHeadAttention sows them
         module.sow("intermediates", "attention_weights", weights)  # (..., 1, T, S)
@@ -114,13 +120,14 @@ class StaticAttention(nn.Module):
     (self-attention when `inputs_kv` is None), output `[batch..., T, D]`, and
     the attention weights `[batch..., T, S]` when `return_weights`. `mask`
     broadcasts to `[batch..., T, S]`. `scale` defaults to `1/sqrt(D)`; set it
-    to 1.0 for the unscaled `softmax(X X^T) X`.
+    to 1.0 for the unscaled `softmax(X X^T) X`. `precision`: of the two dots.
     """
 
     is_causal: bool = False
     scale: float | None = None
     dropout_rate: float = 0.0
     sow_weights: bool = False
+    precision: PrecisionLike = None
 
     def __post_init__(self):
         _check_dropout("StaticAttention", self.dropout_rate)
@@ -141,7 +148,8 @@ class SelfAttentionV1(nn.Module):
     Parameters `W_query`, `W_key`, `W_value` of shape `[d_in, d_out]`, drawn
     uniform in [0, 1) as `torch.rand` does. `__call__(inputs, mask=None,
     deterministic=True, return_weights=False)`: `[batch..., S, d_in]` to
-    `[batch..., S, d_out]` (and weights `[batch..., S, S]`).
+    `[batch..., S, d_out]` (and weights `[batch..., S, S]`). `precision`: of
+    the projections and the attention's dots.
     """
 
     d_out: int
@@ -149,6 +157,7 @@ class SelfAttentionV1(nn.Module):
     scale: float | None = None
     dropout_rate: float = 0.0
     sow_weights: bool = False
+    precision: PrecisionLike = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.uniform(scale=1.0)
@@ -168,9 +177,9 @@ class SelfAttentionV1(nn.Module):
         inputs, W_query, W_key, W_value = nn.dtypes.promote_dtype(
             inputs, W_query, W_key, W_value, dtype=self.dtype
         )
-        query = inputs @ W_query  # (..., S, d_out)
-        key = inputs @ W_key  # (..., S, d_out)
-        value = inputs @ W_value  # (..., S, d_out)
+        query = jnp.matmul(inputs, W_query, precision=self.precision)  # (..., S, d_out)
+        key = jnp.matmul(inputs, W_key, precision=self.precision)  # (..., S, d_out)
+        value = jnp.matmul(inputs, W_value, precision=self.precision)  # (..., S, d_out)
         output, weights = _single_head(self, query, key, value, mask, deterministic)
         return (output, weights) if return_weights else output
 
@@ -180,7 +189,7 @@ class SelfAttention(nn.Module):
 
     Sub-modules `W_query`, `W_key`, `W_value` are `nn.Dense(d_out)` (kernel
     `[d_in, d_out]`, the transpose of `torch.nn.Linear.weight`), initialised
-    like `torch.nn.Linear`. `__call__` as for `SelfAttentionV1`.
+    like `torch.nn.Linear`. `__call__` and `precision` as for `SelfAttentionV1`.
     """
 
     d_out: int
@@ -189,6 +198,7 @@ class SelfAttention(nn.Module):
     scale: float | None = None
     dropout_rate: float = 0.0
     sow_weights: bool = False
+    precision: PrecisionLike = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = torch_linear_init
@@ -209,6 +219,7 @@ class SelfAttention(nn.Module):
                 kernel_init=self.kernel_init,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
+                precision=self.precision,
                 name=name,
             )
 
@@ -226,7 +237,8 @@ class LearnedQueryAttention(nn.Module):
     bias-free `nn.Dense` layers `W_query` (D -> d_k), `W_key` (D -> d_k) and
     `W_value` (D -> d_v). `__call__(inputs, mask=None, deterministic=True)`
     maps `[batch..., S, D]` to `(output [batch..., d_v], weights [batch..., S])`;
-    `mask` is a key mask broadcastable to `[batch..., S]`.
+    `mask` is a key mask broadcastable to `[batch..., S]`. `precision`: of the
+    projections and the attention's dots.
     """
 
     d_k: int
@@ -235,6 +247,7 @@ class LearnedQueryAttention(nn.Module):
     scale: float | None = None
     dropout_rate: float = 0.0
     sow_weights: bool = False
+    precision: PrecisionLike = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = torch_linear_init
@@ -258,6 +271,7 @@ class LearnedQueryAttention(nn.Module):
                 kernel_init=self.kernel_init,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
+                precision=self.precision,
                 name=name,
             )
 
@@ -329,6 +343,8 @@ class MultiHeadAttention(nn.Module):
         (None: its dispatch rule picks the fastest eligible path). Calls that
         sow weights or apply attention dropout always take "reference", the
         only path that does either.
+      precision: of every projection and every attention dot, forward and
+        backward (`dot_product_attention`'s `precision`); None: JAX's default.
 
     `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False)`:
     `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]` (defaults to
@@ -358,6 +374,7 @@ class MultiHeadAttention(nn.Module):
     scale: float | None = None
     sow_weights: bool = False
     attention_implementation: str | None = None
+    precision: PrecisionLike = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
@@ -400,6 +417,7 @@ class MultiHeadAttention(nn.Module):
             bias_init=self.bias_init,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            precision=self.precision,
             name=name,
         )
 
@@ -495,6 +513,7 @@ class MultiHeadAttention(nn.Module):
             **dropout,
             return_weights=self.sow_weights,
             implementation="reference" if needs_reference else self.attention_implementation,
+            precision=self.precision,
         )
         if self.sow_weights:
             output, weights = attended  # (..., T, N, Hv), (..., N, T, S)

@@ -251,32 +251,57 @@ def test_chunked_under_vmap_equals_batched():
     np.testing.assert_allclose(mapped, batched, atol=1e-6)
 
 
-def shapes(T, S, H=8, Hv=8, dtype=jnp.float32):
+def shapes(T, S, H=8, Hv=8, dtype=jnp.float32, key_dtype=None):
     """Query, key, value shape-dtype structs with batch 2, N = 4, K = 2."""
     return (
         jax.ShapeDtypeStruct((2, T, 4, H), dtype),
-        jax.ShapeDtypeStruct((2, S, 2, H), dtype),
+        jax.ShapeDtypeStruct((2, S, 2, H), key_dtype or dtype),
         jax.ShapeDtypeStruct((2, S, 2, Hv), dtype),
     )
 
 
 LONG = CHUNKED_MIN_KEYS
+BF16 = jnp.bfloat16
 MASK = jax.ShapeDtypeStruct((LONG, LONG), jnp.bool_)
+BIAS = jax.ShapeDtypeStruct((2, 1, LONG, LONG), jnp.float32)
 SELECTIONS = [
     ("cpu short", shapes(8, LONG - 1), {}, "cpu", "reference"),
     ("cpu long", shapes(8, LONG), {}, "cpu", "chunked"),
-    ("cpu long bf16 masked", shapes(LONG, LONG, dtype=jnp.bfloat16), dict(mask=MASK), "cpu", "chunked"),
+    ("cpu long bf16 masked", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "cpu", "chunked"),
     ("cpu weights", shapes(LONG, LONG), dict(return_weights=True), "cpu", "reference"),
     ("cpu dropout", shapes(LONG, LONG), dict(dropout_rate=0.1), "cpu", "reference"),
-    ("gpu cudnn", shapes(LONG, LONG, dtype=jnp.bfloat16), dict(is_causal=True), "gpu", "xla"),
-    ("gpu cudnn short", shapes(8, 8, dtype=jnp.bfloat16), {}, "gpu", "xla"),
-    ("gpu causal T != S", shapes(8, LONG, dtype=jnp.bfloat16), dict(is_causal=True), "gpu", "chunked"),
-    ("gpu masked", shapes(LONG, LONG, dtype=jnp.bfloat16), dict(mask=MASK), "gpu", "chunked"),
+    # GPU, step 2: cuDNN wherever it applies, masks, bias and causal T != S included.
+    ("gpu cudnn", shapes(LONG, LONG, dtype=BF16), dict(is_causal=True), "gpu", "xla"),
+    ("gpu cudnn short", shapes(8, 8, dtype=BF16), {}, "gpu", "xla"),
+    ("gpu cudnn float16", shapes(LONG, LONG, dtype=jnp.float16), {}, "gpu", "xla"),
+    ("gpu cudnn H 128", shapes(LONG, LONG, H=128, Hv=128, dtype=BF16), {}, "gpu", "xla"),
+    ("gpu causal T < S", shapes(8, LONG, dtype=BF16), dict(is_causal=True), "gpu", "xla"),
+    ("gpu causal T > S", shapes(LONG, 8, dtype=BF16), dict(is_causal=True), "gpu", "xla"),
+    ("gpu masked", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "gpu", "xla"),
+    ("gpu bias", shapes(LONG, LONG, dtype=BF16), dict(bias=BIAS), "gpu", "xla"),
+    (
+        "gpu mask+bias+causal",
+        shapes(LONG, LONG, dtype=BF16),
+        dict(mask=MASK, bias=BIAS, is_causal=True),
+        "gpu",
+        "xla",
+    ),
+    # ... and not where it does not: a bias (masks become one) needs even T and S for cuDNN's
+    # backward, H is a multiple of 8 up to 128 and equal to Hv, the inputs bf16/fp16.
+    ("gpu masked odd T", shapes(LONG - 1, LONG, dtype=BF16), dict(mask=True), "gpu", "chunked"),
+    ("gpu causal T != S odd S", shapes(8, LONG + 1, dtype=BF16), dict(is_causal=True), "gpu", "chunked"),
+    ("gpu unmasked odd T", shapes(LONG - 1, LONG + 1, dtype=BF16), dict(is_causal=False), "gpu", "xla"),
+    ("gpu H 256", shapes(LONG, LONG, H=256, Hv=256, dtype=BF16), {}, "gpu", "chunked"),
+    ("gpu H 12", shapes(LONG, LONG, H=12, Hv=12, dtype=BF16), {}, "gpu", "chunked"),
+    ("gpu Hv != H", shapes(LONG, LONG, Hv=16, dtype=BF16), {}, "gpu", "chunked"),
+    ("gpu bf16 query, f32 key", shapes(LONG, LONG, dtype=BF16, key_dtype=jnp.float32), {}, "gpu", "chunked"),
     ("gpu float32 long", shapes(LONG, LONG), {}, "gpu", "chunked"),
     ("gpu float32 short", shapes(8, 8), {}, "gpu", "xla"),
     ("gpu Hv != H short", shapes(8, 8, Hv=4), {}, "gpu", "reference"),
-    ("gpu weights", shapes(8, 8, dtype=jnp.bfloat16), dict(return_weights=True), "gpu", "reference"),
-    ("tpu", shapes(8, 8, dtype=jnp.bfloat16), {}, "tpu", "xla"),
+    ("gpu weights", shapes(8, 8, dtype=BF16), dict(return_weights=True), "gpu", "reference"),
+    ("gpu dropout", shapes(LONG, LONG, dtype=BF16), dict(dropout_rate=0.1), "gpu", "reference"),
+    ("tpu", shapes(8, 8, dtype=BF16), {}, "tpu", "xla"),
+    ("tpu masked long", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "tpu", "chunked"),
 ]
 
 
@@ -316,7 +341,7 @@ def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference(
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
     logits = {}
     for implementation in ("reference", "chunked"):
-        model = qkv_jax.TransformerLM(
+        config = qkv_jax.lm.TransformerConfig(
             vocab_size=11,
             num_layers=1,
             d_model=16,
@@ -325,6 +350,7 @@ def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference(
             max_len=12,
             attention_implementation=implementation,
         )
+        model = qkv_jax.TransformerLM(config)
         params = model.init(jax.random.PRNGKey(0), tokens)
         logits[implementation] = model.apply(params, tokens)
     np.testing.assert_allclose(logits["chunked"], logits["reference"], atol=1e-5)
@@ -338,26 +364,34 @@ def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference(
 
 
 HALF_Q, HALF_KV = np.ones((2, 4, 4, 4), np.float16), np.ones((2, 5, 2, 4), np.float16)
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a limit of the CPU backend")
 BAD_REQUESTS = [
-    ("unknown", dict(implementation="flash"), "implementation must be None or one of"),
-    ("weights", dict(implementation="chunked", return_weights=True), "cannot return attention weights"),
-    ("weights xla", dict(implementation="xla", return_weights=True), "cannot return attention weights"),
-    (
-        "dropout",
+    pytest.param(dict(implementation="flash"), "implementation must be None or one of", id="unknown"),
+    pytest.param(
+        dict(implementation="chunked", return_weights=True), "cannot return attention weights", id="weights"
+    ),
+    pytest.param(
+        dict(implementation="xla", return_weights=True), "cannot return attention weights", id="weights xla"
+    ),
+    pytest.param(
         dict(implementation="chunked", dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0)),
         "does not implement dropout (dropout_rate=0.1",
+        id="dropout",
     ),
-    ("value depth", dict(implementation="xla", value=np.ones((2, 5, 2, 3), np.float32)), "Hv=3 and H=4"),
-    (
-        "xla float16 on CPU",
+    pytest.param(
+        dict(implementation="xla", value=np.ones((2, 5, 2, 3), np.float32)), "Hv=3 and H=4", id="value depth"
+    ),
+    pytest.param(
         dict(implementation="xla", query=HALF_Q, key=HALF_KV, value=HALF_KV),
         "cannot compile float16 on CPU",
+        marks=CPU_ONLY,
+        id="xla float16 on CPU",
     ),
 ]
 
 
-@pytest.mark.parametrize("name,override,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
-def test_ineligible_requests_raise(name, override, message):
+@pytest.mark.parametrize("override,message", BAD_REQUESTS)
+def test_ineligible_requests_raise(override, message):
     args = dict(
         query=np.ones((2, 4, 4, 4), np.float32),
         key=np.ones((2, 5, 2, 4), np.float32),

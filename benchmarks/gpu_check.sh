@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The whole GPU check in one run (under 10 minutes on an H200), results under $OUT:
+#   1. the wheels the GPU machine lacks, installed as ../shared/tools/gpu-prep prepared them;
+#   2. the test suite on the GPU: pytest -n 8 -m "not slow" tests       ($OUT/pytest.txt);
+#   3. every kind of call the dispatch rule sends to cuDNN, outputs and gradients against the
+#      reference path on the GPU (benchmarks/attention.py --gpu-check)  ($OUT/cudnn_check.*);
+#   4. bash benchmarks/gpu.sh: attention and LM benchmarks, docs/benchmarks.md
+#      ($OUT/results/*.json, $OUT/benchmarks.md, $OUT/gpu_sh.txt).
+# Exits non-zero if the tests or the cuDNN check failed (every step runs regardless).
+#
+#   OUT=/some/dir bash benchmarks/gpu_check.sh   # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_check.sh --dry-run       # on CPU: no install, the dispatch and precision
+#                                                # tests only, the check and gpu.sh at tiny sizes
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dry_run=()
+if [[ "${1:-}" == "--dry-run" ]]; then
+  dry_run=(--dry-run)
+elif [[ $# -gt 0 ]]; then
+  echo "usage: [OUT=dir] bash benchmarks/gpu_check.sh [--dry-run]" >&2
+  exit 2
+fi
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT/results"
+started=$SECONDS
+status=0
+
+if compgen -G ".gpu-wheels/*.whl" >/dev/null && [[ ${#dry_run[@]} -eq 0 ]]; then
+  python3 -m pip install -q --no-index --no-deps --target .gpu-site .gpu-wheels/*.whl
+  export PYTHONPATH=$PWD/.gpu-site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+
+{
+  nvidia-smi 2>&1 || echo "no nvidia-smi"
+  python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1
+} | tee "$OUT/environment.txt"
+
+echo "== tests (timeout 200 s)"
+if [[ ${#dry_run[@]} -eq 0 ]]; then
+  tests=(-n 8 -m "not slow" tests)
+else
+  tests=(-p no:xdist tests/test_dispatch.py tests/test_precision.py)
+fi
+timeout 200 python3 -m pytest -q "${tests[@]}" >"$OUT/pytest.txt" 2>&1
+rc=$?
+tail -n 15 "$OUT/pytest.txt"
+if ((rc != 0)); then echo "tests: exit $rc"; status=1; fi
+
+echo "== cuDNN cases against the reference (timeout 90 s)"
+timeout 90 python3 benchmarks/attention.py --gpu-check --out "$OUT/cudnn_check.json" "${dry_run[@]}" \
+  >"$OUT/cudnn_check.txt" 2>&1
+rc=$?
+tail -n 3 "$OUT/cudnn_check.txt"
+if ((rc != 0)); then echo "cuDNN check: exit $rc"; status=1; fi
+
+left=$((570 - (SECONDS - started)))  # 9.5 minutes in all
+gpu_sh_seconds=$((left > 290 ? 290 : left))
+echo "== benchmarks/gpu.sh (${gpu_sh_seconds} s)"
+if ((gpu_sh_seconds < 60)); then
+  echo "skipped: only ${left} s left"
+else
+  GPU_SH_SECONDS=$gpu_sh_seconds bash benchmarks/gpu.sh "${dry_run[@]}" 2>&1 | tee "$OUT/gpu_sh.txt" \
+    | grep -E "^(==|\||wrote|error|skipped)" || true
+fi
+if [[ ${#dry_run[@]} -eq 0 ]]; then
+  cp benchmarks/results/*_gpu.json "$OUT/results/" 2>/dev/null || echo "no GPU results written"
+  cp docs/benchmarks.md "$OUT/benchmarks.md"
+fi
+echo "== done in $((SECONDS - started)) s; status $status; outputs in $OUT"
+exit $status

@@ -1,0 +1,316 @@
+"""Padding by sequence lengths on every path, and the "xla" path as a GPU runs it, on CPU.
+
+Lengths (jax.nn's `query_seq_lengths` / `key_value_seq_lengths`) must give the
+float64 NumPy answer with the equivalent mask, in outputs and gradients, on
+every path. The GPU route is checked without a GPU: `jax.default_backend` is
+made to say "gpu" and `jax.nn.dot_product_attention` is replaced by a stand-in
+that asserts what jax's cuDNN wrapper requires of its arguments (read from
+jax/_src/cudnn/fused_attention_stablehlo.py: one bf16/fp16 dtype, a bias
+`[B|1, N|1, T, S]` in that dtype, int32 lengths `[B]`, a static scale, even T
+and S with a bias, and causal only where top-left and bottom-right agree), then
+computes with jax.nn's "xla" kernel. What cuDNN itself computes is checked on
+a GPU by benchmarks/gpu_check.sh.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_reference as ref
+import pytest
+
+from qkv_jax import dot_product_attention, select_implementation
+from qkv_jax.chunked import chunked_attention
+
+F32_OUT_ATOL = 1e-5
+F32_GRAD_TOL = dict(atol=2e-5, rtol=1e-4)
+BF16_TOL = 2e-2  # bf16 path against float32 on the same rounded inputs
+
+# (batch, T, S, N, K, H, query lengths, key lengths, is_causal, with mask and bias)
+LENGTH_CASES = {
+    "both, a zero query length": ((3,), 5, 6, 4, 2, 8, [5, 2, 0], [6, 3, 4], False, False),
+    "keys only, causal T<S, a zero key length": ((3,), 4, 7, 2, 1, 8, None, [7, 0, 2], True, False),
+    "queries only, causal": ((2,), 6, 6, 2, 2, 8, [3, 6], None, True, False),
+    "with mask and bias, 2-d batch": ((1, 2), 4, 4, 2, 2, 8, [[4, 1]], [[2, 4]], False, True),
+}
+
+
+def lengths_inputs(case, seed=0):
+    batch, T, S, N, K, H, q_lengths, k_lengths, is_causal, masked = case
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(*batch, T, N, H)).astype(np.float32)
+    key = rng.normal(size=(*batch, S, K, H)).astype(np.float32)
+    value = rng.normal(size=(*batch, S, K, H)).astype(np.float32)
+    mask = rng.random((*batch, 1, T, S)) < 0.8 if masked else None
+    bias = rng.normal(size=(N, T, S)).astype(np.float32) if masked else None
+    lengths = dict(
+        query_seq_lengths=None if q_lengths is None else np.array(q_lengths),
+        key_value_seq_lengths=None if k_lengths is None else np.array(k_lengths),
+    )
+    return query, key, value, mask, bias, is_causal, lengths
+
+
+def equivalent_mask(T, S, mask, is_causal, query_seq_lengths, key_value_seq_lengths):
+    """The boolean `[batch..., 1, T, S]` mask the lengths stand for, in NumPy."""
+    full = np.ones((1, T, S), bool)
+    if query_seq_lengths is not None:
+        full = full & (np.arange(T)[:, None] < query_seq_lengths[..., None, None, None])
+    if key_value_seq_lengths is not None:
+        full = full & (np.arange(S) < key_value_seq_lengths[..., None, None, None])
+    if is_causal:
+        full = full & ref.causal(T, S)
+    return full if mask is None else full & mask
+
+
+@functools.cache
+def grad_fn(implementation, is_causal, with_bias, block=None):
+    """Gradients of a fixed loss w.r.t. query, key, value (and bias), jitted once per setting."""
+
+    def loss(query, key, value, bias, mask, lengths):
+        if block is None:
+            attend = functools.partial(dot_product_attention, implementation=implementation)
+        else:  # the chunked kernel with tiny tiles: padding, several blocks, skipped blocks
+            attend = functools.partial(chunked_attention, block_q=block[0], block_k=block[1])
+        out = attend(query, key, value, mask=mask, bias=bias, is_causal=is_causal, **lengths)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    argnums = (0, 1, 2, 3) if with_bias else (0, 1, 2)
+    return jax.jit(jax.grad(loss, argnums=argnums))
+
+
+PATHS = ["reference", "xla", "chunked", "chunked 2x3 tiles"]
+
+
+@pytest.mark.parametrize("case", LENGTH_CASES)
+@pytest.mark.parametrize("path", PATHS)
+def test_lengths_match_the_equivalent_mask(path, case):
+    query, key, value, mask, bias, is_causal, lengths = lengths_inputs(LENGTH_CASES[case])
+    T, S = query.shape[-3], key.shape[-3]
+    full_mask = equivalent_mask(T, S, mask, is_causal, **lengths)
+    want = ref.attention(query, key, value, mask=full_mask, bias=bias)[0]
+    block = (2, 3) if path == "chunked 2x3 tiles" else None
+    implementation = "chunked" if block else path
+    grads = grad_fn(implementation, is_causal, bias is not None, block)
+    if block:
+        out = jax.jit(functools.partial(chunked_attention, block_q=2, block_k=3, is_causal=is_causal))(
+            query, key, value, mask=mask, bias=bias, **lengths
+        )
+    else:
+        out = dot_product_attention(
+            query, key, value, mask=mask, bias=bias, is_causal=is_causal, implementation=path, **lengths
+        )
+    np.testing.assert_allclose(out, want, atol=F32_OUT_ATOL)
+    if lengths["query_seq_lengths"] is not None:  # padded queries: zero output
+        padded = np.arange(T) >= lengths["query_seq_lengths"][..., None]  # (batch..., T)
+        assert (np.asarray(out)[padded] == 0).all()
+    got = grads(query, key, value, bias, mask, lengths)
+    no_lengths = dict(query_seq_lengths=None, key_value_seq_lengths=None)
+    expected = grad_fn("reference", False, bias is not None)(query, key, value, bias, full_mask, no_lengths)
+    for name, g, e in zip(("query", "key", "value", "bias"), got, expected, strict=False):
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, e, **F32_GRAD_TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("path", ["xla", "chunked"])
+def test_nan_beyond_the_lengths_never_leaks(path):
+    query, key, value, _, _, _, lengths = lengths_inputs(LENGTH_CASES["both, a zero query length"])
+    bad_key, bad_value = key.copy(), value.copy()
+    bad_key[1, 3:] = np.nan  # keys at and after length 3 of example 1
+    bad_value[1, 4:, 0, 2] = np.inf
+    attend = functools.partial(dot_product_attention, implementation=path, **lengths)
+    np.testing.assert_allclose(attend(query, bad_key, bad_value), attend(query, key, value), atol=1e-6)
+    grads = grad_fn(path, False, False)(query, bad_key, bad_value, None, None, lengths)
+    clean = grad_fn(path, False, False)(query, key, value, None, None, lengths)
+    for g, c in zip(grads, clean, strict=True):
+        np.testing.assert_allclose(g, c, **F32_GRAD_TOL)
+
+
+@pytest.mark.parametrize(
+    "lengths,message",
+    [
+        (dict(key_value_seq_lengths=np.array([7, 1])), "key_value_seq_lengths must lie in [0, S=6]"),
+        (dict(query_seq_lengths=np.array([-1, 1])), "query_seq_lengths must lie in [0, T=5]"),
+        (dict(query_seq_lengths=np.array([1.0, 2.0])), "query_seq_lengths must be integers"),
+        (dict(key_value_seq_lengths=np.array([1, 2, 3])), "does not broadcast to the batch dims (2,)"),
+    ],
+)
+def test_bad_lengths_raise(lengths, message):
+    query, key, value = np.ones((2, 5, 2, 8), np.float32), np.ones((2, 6, 2, 8)), np.ones((2, 6, 2, 8))
+    with pytest.raises((ValueError, TypeError)) as info:
+        dot_product_attention(query, key.astype(np.float32), value.astype(np.float32), **lengths)
+    assert message in str(info.value)
+
+
+# ----------------------------------------------------------------------------- the GPU route
+
+
+class CudnnStandIn:
+    """Replaces jax.nn.dot_product_attention: checks cuDNN's preconditions, records the call,
+    and computes it with jax.nn's "xla" kernel."""
+
+    def __init__(self, original):
+        self.original, self.calls = original, []
+
+    def __call__(
+        self, query, key, value, bias=None, mask=None, *, scale, is_causal, implementation, **lengths
+    ):
+        B, T, N, H = query.shape
+        S = key.shape[1]
+        assert implementation == "cudnn"
+        assert query.dtype == key.dtype == value.dtype and query.dtype in (jnp.bfloat16, jnp.float16)
+        assert key.shape == value.shape and H % 8 == 0 and H <= 128
+        assert mask is None  # folded into the bias
+        assert isinstance(scale, float)  # cuDNN compiles the scale in
+        assert not is_causal or T == S  # cuDNN's triangle is top-left: only T == S is bottom-right too
+        if bias is not None:
+            assert bias.dtype == query.dtype and bias.shape[2:] == (T, S)
+            assert bias.shape[0] in (1, B) and bias.shape[1] in (1, N)
+            assert T % 2 == 0 and S % 2 == 0  # cuDNN's backward pass with a bias
+        for name, value_lengths in lengths.items():
+            assert value_lengths is None or (
+                value_lengths.dtype == jnp.int32 and value_lengths.shape == (B,)
+            ), name
+        self.calls.append(dict(bias=None if bias is None else bias.shape, is_causal=is_causal, **lengths))
+        return self.original(
+            query, key, value, bias=bias, scale=scale, is_causal=is_causal, implementation="xla", **lengths
+        )
+
+
+@pytest.fixture
+def gpu_route(monkeypatch):
+    """The "xla" path as it runs on a GPU, with `CudnnStandIn` for cuDNN."""
+    stand_in = CudnnStandIn(jax.nn.dot_product_attention)
+    jax.clear_caches()  # traces made for the CPU must not be reused
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+    yield stand_in
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def bf16_inputs(batch, T, S, N, K, H=8, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.normal(size=(*batch, n, heads, H)) for n, heads in ((T, N), (S, K), (S, K))]
+    low = [jnp.asarray(x, jnp.bfloat16) for x in arrays]
+    return low, [np.asarray(x, np.float32) for x in low]
+
+
+# name: (batch, T, S, N, K, arguments) with bf16 inputs and H = 8, every one dispatched to cuDNN.
+GPU_CASES = {
+    "causal T == S": ((2,), 6, 6, 4, 2, dict(is_causal=True)),
+    "causal T < S": ((2,), 4, 8, 4, 2, dict(is_causal=True)),
+    "causal T > S": ((2,), 8, 4, 2, 1, dict(is_causal=True)),
+    "mask, a fully masked row": ((2,), 4, 6, 2, 2, dict(mask="random")),
+    "bias with -inf": ((2,), 4, 6, 4, 2, dict(bias="random")),
+    "lengths, causal": ((3,), 6, 6, 2, 2, dict(is_causal=True, lengths=([6, 3, 2], [6, 0, 5]))),
+    "mask + bias + lengths + causal T < S": (
+        (2,),
+        4,
+        6,
+        2,
+        1,
+        dict(mask="random", bias="random", is_causal=True, lengths=([4, 2], [5, 6])),
+    ),
+}
+
+
+def gpu_case_arguments(batch, T, S, N, arguments, seed=1):
+    rng = np.random.default_rng(seed)
+    kwargs = dict(is_causal=arguments.get("is_causal", False))
+    if "mask" in arguments:
+        mask = rng.random((*batch, 1, T, S)) < 0.7
+        mask.reshape(-1, T, S)[0, 1] = False  # a fully masked row
+        kwargs["mask"] = mask
+    if "bias" in arguments:
+        bias = rng.normal(size=(N, T, S)).astype(np.float32)
+        bias[0, 2] = -np.inf  # a fully forbidden row of head 0
+        bias[1, 0, 1] = -np.inf
+        kwargs["bias"] = bias
+    if "lengths" in arguments:
+        q_lengths, k_lengths = arguments["lengths"]
+        kwargs.update(query_seq_lengths=np.array(q_lengths), key_value_seq_lengths=np.array(k_lengths))
+    return kwargs
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_route_hands_cudnn_valid_arguments_and_matches_the_reference(gpu_route, case):
+    batch, T, S, N, K, arguments = GPU_CASES[case]
+    low, rounded = bf16_inputs(batch, T, S, N, K)
+    kwargs = gpu_case_arguments(batch, T, S, N, arguments)
+    has_bias = "mask" in kwargs or "bias" in kwargs
+    assert (
+        select_implementation(
+            *low, mask=kwargs.get("mask"), bias=kwargs.get("bias"), is_causal=kwargs["is_causal"]
+        )
+        == "xla"
+    )
+
+    def loss(attend, query, key, value):
+        return jnp.sum(jnp.sin(attend(query, key, value, **kwargs).astype(jnp.float32)))
+
+    ours = functools.partial(dot_product_attention, implementation=None)
+    reference = functools.partial(dot_product_attention, implementation="reference")
+    out = ours(*low, **kwargs)
+    assert out.dtype == jnp.bfloat16 and gpu_route.calls, "cuDNN was not called"
+    assert (gpu_route.calls[-1]["bias"] is not None) == (has_bias or (kwargs["is_causal"] and T != S))
+    want = reference(*rounded, **kwargs)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=BF16_TOL, rtol=BF16_TOL)
+    got = jax.jit(jax.grad(functools.partial(loss, ours), (0, 1, 2)))(*low)
+    expected = jax.jit(jax.grad(functools.partial(loss, reference), (0, 1, 2)))(*rounded)
+    for name, g, e in zip(("query", "key", "value"), got, expected, strict=True):
+        g = np.asarray(g, np.float32)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, e, atol=4 * BF16_TOL, rtol=4 * BF16_TOL, err_msg=name)
+
+
+def test_gpu_route_keeps_masked_nan_out_and_zeroes_empty_rows(gpu_route):
+    batch, T, S, N, K, arguments = GPU_CASES["mask + bias + lengths + causal T < S"]
+    (query, key, value), rounded = bf16_inputs(batch, T, S, N, K)
+    kwargs = gpu_case_arguments(batch, T, S, N, arguments)  # key lengths 5 and 6
+
+    def attend(key):
+        return np.asarray(dot_product_attention(query, key, value, **kwargs), np.float32)
+
+    clean = attend(key)
+    np.testing.assert_array_equal(clean[0, 1], 0.0)  # the fully masked row
+    np.testing.assert_array_equal(clean[:, 2, 0], 0.0)  # the -inf bias row of head 0
+    np.testing.assert_array_equal(attend(key.at[0, 5].set(jnp.nan)), clean)  # beyond key length 5
+    attended = key.at[1, 0].set(jnp.nan)  # within key length 6, attended by some queries
+    want = dot_product_attention(
+        rounded[0], np.asarray(attended, np.float32), rounded[2], implementation="reference", **kwargs
+    )
+    assert np.isnan(want).any() and np.isfinite(want).any()
+    np.testing.assert_allclose(attend(attended), want, atol=BF16_TOL, rtol=BF16_TOL)  # NaN where want is
+
+
+# ----------------------------------------------------------------------------- no overhead
+
+
+def primitives(jaxpr) -> list[str]:
+    return [str(eqn.primitive) for eqn in jaxpr.eqns]
+
+
+def test_the_finite_case_runs_jax_nn_alone_after_one_check():
+    """Around jax.nn's own program, the default path adds only a finiteness check of K and V
+    and a conditional: no copies, casts, scaling or masking of Q, K, V or the output."""
+    query = jax.ShapeDtypeStruct((2, 8, 4, 8), jnp.float32)
+    key = jax.ShapeDtypeStruct((2, 8, 2, 8), jnp.float32)
+    ours = jax.make_jaxpr(functools.partial(dot_product_attention, is_causal=True, implementation="xla"))
+    (call,) = ours(query, key, key).jaxpr.eqns  # the jitted function
+    (guard,) = call.params["jaxpr"].jaxpr.eqns  # nothing outside the custom VJP
+    inner = guard.params["call_jaxpr"].jaxpr
+    assert primitives(inner) == [
+        "is_finite",
+        "reduce_and",
+        "is_finite",
+        "reduce_and",
+        "and",
+        "convert_element_type",
+        "cond",
+    ]
+    _, fast = inner.eqns[-1].params["branches"]
+    theirs = jax.make_jaxpr(
+        functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+    )
+    assert primitives(fast.jaxpr) == primitives(theirs(query, key, key).jaxpr)
