@@ -131,4 +131,7 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     section.attention_dropout_rate = 0.0
     # Computation dtype: float32, bfloat16 or float16; unset = the parameters' (float32).
     section.dtype = config_dict.placeholder(str)
+    # Matmul precision (flax's `precision`): default, high or highest; unset = JAX's default
+    # (TF32 for float32 on recent NVIDIA GPUs; highest = full float32).
+    section.precision = config_dict.placeholder(str)
     return section

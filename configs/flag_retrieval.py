@@ -59,6 +59,8 @@ def get_config(arg=None):
     config.model.num_heads = 2 if variant in ("multihead", "two_flag") else 1
     # Divide logits by sqrt(head depth), seed 002's thermostat; False = unscaled.
     config.model.scaled = True
+    # Matmul precision (flax's `precision`): default, high or highest; unset = JAX's default.
+    config.model.precision = ml_collections.config_dict.placeholder(str)
 
     config.task = common.task("qkv_jax.training.flag_retrieval", "flag_retrieval")
     # Tokens per example.

@@ -1,11 +1,16 @@
-r"""Pictures and head diagnostics of a finished run or sweep.
+r"""Pictures, head diagnostics and the attention explorer page of a finished run or sweep.
 
   python -m experiments.report --workdir runs/flag
+  python -m experiments.report --workdir runs/char_lm --prompt "def forward(self, x):"
 
 A run: loss.png, the experiment's attention pictures of the newest checkpoint,
 report.json with the evaluation metrics and per-head diagnostics (entropy,
 attention on the flagged position or, for LMs, distance, previous/first
-token and induction scores). A sweep: loss_curves.png and the table plots.
+token and induction scores), and report.html: one self-contained page (open
+it from disk in any browser) with every layer's and head's attention on a
+few inputs, at every saved checkpoint, the diagnostics table, the loss curves
+and the config. A sweep: loss_curves.png, the table plots, each cell's
+report.html (its first seed) and results.html linking to them.
 """
 
 from absl import flags
@@ -14,6 +19,7 @@ from experiments import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A run's or a sweep's workdir.")
+flags.DEFINE_string("prompt", None, "Language models: a text the explorer page shows too.")
 common.define_common_flags()
 
 
@@ -25,13 +31,17 @@ def main(argv):
 
     try:
         if is_sweep(FLAGS.workdir):
-            result = report_sweep(FLAGS.workdir)
-            print(f"{FLAGS.workdir}: loss_curves.png ({result['plotted']} cells) and the table plots")
+            result = report_sweep(FLAGS.workdir, FLAGS.prompt)
+            print(
+                f"{FLAGS.workdir}: loss_curves.png ({result['plotted']} cells), the table plots, "
+                f"results.html and {result['pages']} cell pages"
+            )
             return
-        report = report_run(FLAGS.workdir)
+        report = report_run(FLAGS.workdir, FLAGS.prompt)
     except ConfigError as error:
         common.fail(str(error), code=2)
-    print(f"checkpoint step {report['step']}; wrote {FLAGS.workdir}/loss.png, report.json and pictures")
+    page = " and report.html" if "page" in report else ""
+    print(f"checkpoint step {report['step']}; wrote {FLAGS.workdir}/loss.png, report.json, pictures{page}")
     for name, value in report.items():
         if name.startswith("eval_"):
             shown = value if isinstance(value, list) else f"{value:.4g}"

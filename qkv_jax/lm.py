@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qkv_jax.attention import PrecisionLike
 from qkv_jax.modules import MultiHeadAttention, _check_positive, decode_positions
 
 Array = jax.Array
@@ -70,6 +71,9 @@ class TransformerConfig:
       dtype: computation dtype (None: float32 for float32 parameters);
         bfloat16 computes in bfloat16 while `param_dtype` keeps float32 weights.
       param_dtype: dtype of the parameters.
+      precision: of every matmul (projections, attention, MLP, head), flax's
+        spelling: None is JAX's default (TF32 for float32 on recent GPUs),
+        "highest" full float32.
     """
 
     vocab_size: int
@@ -87,6 +91,7 @@ class TransformerConfig:
     sow_weights: bool = False
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
 
     def __post_init__(self):
         _check_positive(
@@ -132,7 +137,9 @@ class TransformerBlock(nn.Module):
         config = self.config
         width = x.shape[-1]
         norm = functools.partial(nn.LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
-        dense = functools.partial(nn.Dense, dtype=config.dtype, param_dtype=config.param_dtype)
+        dense = functools.partial(
+            nn.Dense, dtype=config.dtype, param_dtype=config.param_dtype, precision=config.precision
+        )
         h = norm(name="attention_norm")(x)
         h = MultiHeadAttention(
             num_heads=config.num_heads,
@@ -142,6 +149,7 @@ class TransformerBlock(nn.Module):
             dropout_rate=config.attention_dropout_rate,
             sow_weights=config.sow_weights,
             attention_implementation=config.attention_implementation,
+            precision=config.precision,
             dtype=config.dtype,
             param_dtype=config.param_dtype,
             name="attention",
@@ -203,7 +211,12 @@ class TransformerLM(nn.Module):
             x = TransformerBlock(config, name=f"block_{layer}")(x, deterministic, decode)  # (..., T, D)
         x = nn.LayerNorm(dtype=config.dtype, param_dtype=config.param_dtype, name="final_norm")(x)
         logits = nn.Dense(
-            config.vocab_size, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, name="head"
+            config.vocab_size,
+            use_bias=False,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            precision=config.precision,
+            name="head",
         )(x)  # (..., T, V)
         return logits.astype(jnp.float32)
 

@@ -36,7 +36,7 @@ from qkv_jax.lm import TransformerLM, sample_tokens
 from qkv_jax.training import validate
 from qkv_jax.training.checkpoints import load_train_state
 from qkv_jax.training.loop import TrainState, make_optimizer, validate_train_config
-from qkv_jax.training.task import Setup
+from qkv_jax.training.task import AttentionView, Setup
 from qkv_jax.training.transformer import (
     cross_entropy,
     init_params,
@@ -62,6 +62,7 @@ SAMPLES_FILE = "samples.txt"
 NATS_PER_BIT = math.log(2.0)
 DIAGNOSTIC_EXAMPLES = 16  # validation windows (and repeated sequences) for the head diagnostics
 DEFAULT_INSPECT_TEXT = "def forward(self, x):\n    return self.scale * x + self.bias"
+REPORT_TEXT_LENGTH = 64  # characters of each text the explorer page shows
 
 
 def validate_config(config: Any) -> None:
@@ -194,13 +195,24 @@ class CharLM:
         )
         return metrics
 
-    def inspect(self, params: Any, text_input: str | None) -> tuple[dict, list[str], list[str]]:
+    def inspect(self, params: Any, text_input: str | None) -> AttentionView:
         """Attention maps of every block on `text_input` (default: a line of Python)."""
         shown = (text_input or DEFAULT_INSPECT_TEXT)[: self.model.config.max_len]
         tokens = jnp.asarray(self.tokenizer.encode(shown))[None, :]  # (1, T)
         weights = jax.jit(self.layer_weights)(params, tokens)
         labels = [repr(c)[1:-1] for c in shown]
-        return {f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels
+        return AttentionView({f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels, [])
+
+    def report_inputs(self, data: dict, prompt: str | None) -> list[tuple[str, str]]:
+        """`prompt` (when given) and three windows of validation text, spread over the split."""
+        validation = np.asarray(data["validation"])
+        length = min(REPORT_TEXT_LENGTH, self.model.config.max_len, len(validation))
+        starts = np.linspace(0, len(validation) - length, 3).astype(int)
+        windows = [
+            (f"validation text {i + 1}", self.tokenizer.decode(validation[s : s + length]))
+            for i, s in enumerate(starts)
+        ]
+        return ([("prompt", prompt)] if prompt else []) + windows
 
     def report(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
         """tokenizer.json (before training) and the samples, into samples.txt."""

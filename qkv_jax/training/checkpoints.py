@@ -131,35 +131,42 @@ class Checkpoints:
             )
             return None
 
-    def restore_latest(self, target: Any) -> tuple[int, Any] | None:
-        """Restores the newest checkpoint that reads back and verifies.
-
-        `target` is a pytree of arrays (or `jax.ShapeDtypeStruct`s) with the
-        structure, shapes and dtypes expected; restored arrays take its leaves'
-        shardings (so a run saved on 8 devices restores onto 1, or onto 4). Returns `(step, state)`, or None
-        when there is no usable checkpoint. Raises CheckpointMismatchError when
-        the newest readable checkpoint does not fit `target`.
-        """
+    def restore(self, step: int, target: Any) -> Any | None:
+        """Checkpoint `step` restored into `target`'s structure, shapes, dtypes and shardings
+        (`target`: arrays or `jax.ShapeDtypeStruct`s), or None with a CheckpointWarning when it
+        does not read back or fails its checksum. CheckpointMismatchError when it does not fit."""
+        record = self._read(step, record=ocp.args.JsonRestore())
+        if record is None:
+            return None
+        self._check_fits(step, record, target)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=getattr(x, "sharding", None)),
             target,
         )
+        state = self._read(step, state=ocp.args.StandardRestore(abstract))
+        if state is None:
+            return None
+        if tree_digest(state) != record["digest"]:
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} fails its checksum; trying an older one",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            return None
+        return state
+
+    def restore_latest(self, target: Any) -> tuple[int, Any] | None:
+        """Restores the newest checkpoint that reads back and verifies (see `restore`).
+
+        Restored arrays take `target`'s shardings (so a run saved on 8 devices
+        restores onto 1, or onto 4). Returns `(step, state)`, or None when there
+        is no usable checkpoint. Raises CheckpointMismatchError when the newest
+        readable checkpoint does not fit `target`.
+        """
         for step in reversed(self.all_steps()):
-            record = self._read(step, record=ocp.args.JsonRestore())
-            if record is None:
-                continue
-            self._check_fits(step, record, target)
-            state = self._read(step, state=ocp.args.StandardRestore(abstract))
-            if state is None:
-                continue
-            if tree_digest(state) != record["digest"]:
-                warnings.warn(
-                    f"checkpoint step {step} in {self.directory} fails its checksum; trying an older one",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
-                continue
-            return step, state
+            state = self.restore(step, target)
+            if state is not None:
+                return step, state
         return None
 
     def close(self) -> None:

@@ -293,11 +293,11 @@ def _relative_link(link: Any, cell: dict) -> str | None:
 
 def _stats_cell(stats: dict | None) -> tuple[str, Any]:
     """The text of a `mean ± std [min, max]` cell and its sort value ('' sorts last)."""
-    from qkv_jax.training.sweep import _format
+    from qkv_jax.training.sweep import format_value
 
     if stats is None:
         return "-", ""
-    mean, std, low, high = (_format(stats[key]) for key in ("mean", "std", "min", "max"))
+    mean, std, low, high = (format_value(stats[key]) for key in ("mean", "std", "min", "max"))
     text = f"{mean} ± {std} [{low}, {high}]"
     return text, stats["mean"] if _is_number(stats["mean"]) and math.isfinite(stats["mean"]) else ""
 
@@ -305,7 +305,7 @@ def _stats_cell(stats: dict | None) -> tuple[str, Any]:
 def _sweep_row(row: dict, fields: list[str], columns: list[str], link: str | None) -> str:
     """One <tr> of the sweep table, each entry linked to `link`. A cell's data-value is what it
     sorts by: a number, or '' (sorts last); without one it sorts by its text."""
-    from qkv_jax.training.sweep import _format
+    from qkv_jax.training.sweep import format_value
 
     def cell(text: str, value: Any = None) -> str:
         shown = f'<a href="{_text(link)}">{_text(text)}</a>' if link and text else _text(text)
@@ -313,7 +313,7 @@ def _sweep_row(row: dict, fields: list[str], columns: list[str], link: str | Non
         return f"<td{sort_value}>{shown}</td>"
 
     values = [row["cell"].get(field, "") for field in fields]
-    cells = [cell(_format(value), value if _is_number(value) else None) for value in values]
+    cells = [cell(format_value(value), value if _is_number(value) else None) for value in values]
     if row["status"] != "done":
         cells += [cell(f"skipped: {row.get('reason', '')}", "")] + ["<td></td>"] * (len(columns) + 1)
     else:
@@ -337,9 +337,9 @@ def write_sweep_page(
     `rows` are `sweep.summarize` rows (or skipped rows); `link_for_cell` maps a
     row's cell to a relative link (None: no page), or is a dict keyed by
     `sweep.cell_name(cell)`. Returns the path."""
-    from qkv_jax.training.sweep import _fields, cell_name
+    from qkv_jax.training.sweep import cell_name, swept_fields
 
-    fields, columns = _fields(rows), [metric, *extra]
+    fields, columns = swept_fields(rows), [metric, *extra]
     header = fields + [f"{c} mean ± std [min, max]" for c in columns] + ["seeds", "time (s)"]
     body = []
     for row in rows:

@@ -14,7 +14,8 @@ from qkv_jax.models import FLAG_READER_KINDS, FlagReader
 from qkv_jax.tasks.flag import flag_retrieval_batch
 from qkv_jax.training import validate
 from qkv_jax.training.loop import validate_train_config
-from qkv_jax.training.task import Setup
+from qkv_jax.training.task import AttentionView, Setup
+from qkv_jax.training.transformer import PRECISIONS
 from qkv_jax.training.validate import ConfigError
 
 __all__ = ["FlagRetrieval", "build", "validate_config", "attention_weights", "flag_metrics"]
@@ -27,6 +28,8 @@ def validate_config(config: Any) -> None:
         config, "model.d_model", "model.d_k", "model.num_heads", "task.seq_len", "task.num_flags"
     )
     validate.require_bool(config, "model.scaled")
+    if config["model"].get("precision") is not None:
+        validate.require_choice(config, "model.precision", PRECISIONS)
     model, task = config["model"], config["task"]
     if model["kind"] == "multihead":
         validate.require_divides(config, "model.num_heads", "model.d_k")
@@ -146,13 +149,20 @@ class FlagRetrieval:
         )
         return {}
 
-    def inspect(self, params: Any, text: str | None) -> tuple[dict, list[str], list[str]]:
-        """One fresh example; `text` is its seed (default 0)."""
+    def inspect(self, params: Any, text: str | None) -> AttentionView:
+        """One fresh example; `text` is its seed (default 0). The flagged positions are marked."""
         batch = self.sample(jax.random.PRNGKey(int(text) if text else 0), 1)
         _, weights = jax.jit(self.forward)(params, batch["inputs"])  # (1, N, S)
         flagged = {int(p): f for f, p in enumerate(batch["flag_positions"][0])}
         keys = [f"{s}" + (f" (flag {flagged[s]})" if s in flagged else "") for s in range(self.seq_len)]
-        return {"attention": weights[0][:, None, :]}, ["query"], keys  # (N, 1, S)
+        return AttentionView(
+            {"attention": weights[0][:, None, :]}, ["query"], keys, sorted(flagged)
+        )  # (N, 1, S)
+
+    def report_inputs(self, data: Any, prompt: str | None) -> list[tuple[str, str]]:
+        """Four fresh examples (seeds 0-3; a prompt has no meaning here)."""
+        del data, prompt
+        return [(f"example {seed}", str(seed)) for seed in range(4)]
 
 
 def build(config: Any) -> Setup:
@@ -167,6 +177,7 @@ def build(config: Any) -> Setup:
         num_heads=model_config["num_heads"],
         num_flags=num_flags,
         scaled=model_config["scaled"],
+        precision=model_config.get("precision"),
     )
     flag = FlagRetrieval(
         model=model,

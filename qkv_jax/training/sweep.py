@@ -40,6 +40,8 @@ __all__ = [
     "parse_shard",
     "run_sweep",
     "summarize",
+    "swept_fields",
+    "format_value",
 ]
 
 LOSS_THRESHOLD = 1e-2  # "converged" for the steps-to-threshold column
@@ -284,23 +286,32 @@ def _collect_results(workdir: pathlib.Path, cells: list[dict], metric: str, log:
     return rows
 
 
-def _fields(rows: list[dict]) -> list[str]:
+def swept_fields(rows: list[dict]) -> list[str]:
+    """The fields the rows' cells set, in first-seen order."""
     fields: list[str] = []
     for row in rows:
         fields += [f for f in row["cell"] if f not in fields]
     return fields
 
 
-def _format(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A table entry: floats to 4 significant digits."""
     if isinstance(value, float):
         return "nan" if math.isnan(value) else f"{value:.4g}"
     return str(value)
 
 
 def write_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> None:
-    """results.json, results.csv, results.md and the plots."""
+    """results.json, results.csv, results.md, results.html (each cell linking to its
+    cells/<cell>/report.html when `experiments.report` has written one) and the plots."""
+    from qkv_jax.training.explorer import write_sweep_page
+
     write_json(workdir / "results.json", {"metric": metric, "rows": rows})
-    fields = _fields(rows)
+    pages = {cell_name(row["cell"]): f"cells/{cell_name(row['cell'])}/report.html" for row in rows}
+    write_sweep_page(
+        workdir / "results.html", rows, metric, {k: v for k, v in pages.items() if (workdir / v).exists()}
+    )
+    fields = swept_fields(rows)
     metrics = sorted({k[: -len("_stats")] for row in rows for k in row if k.endswith("_stats")})
     header = fields + ["status", "reason", "num_seeds", "wall_time_s"]
     header += [f"{m}_{s}" for m in metrics for s in ("mean", "std", "min", "max")]
@@ -312,7 +323,7 @@ def write_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> None:
             stats = [
                 row.get(f"{m}_stats", {}).get(s, "") for m in metrics for s in ("mean", "std", "min", "max")
             ]
-            per_seed = ";".join(_format(v) for v in row.get(metric, []))
+            per_seed = ";".join(format_value(v) for v in row.get(metric, []))
             writer.writerow(
                 [row["cell"].get(f, "") for f in fields]
                 + [
@@ -330,7 +341,7 @@ def write_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> None:
 
 def results_table(rows: list[dict], metric: str, extra: Sequence[str] = ()) -> str:
     """A markdown table: one row per cell, `metric` mean +- std [min, max] and extras."""
-    fields = _fields(rows)
+    fields = swept_fields(rows)
     columns = [metric, *extra]
     lines = [
         "| "
@@ -339,7 +350,7 @@ def results_table(rows: list[dict], metric: str, extra: Sequence[str] = ()) -> s
         "|" + "---|" * (len(fields) + len(columns) + 2),
     ]
     for row in rows:
-        cells = [_format(row["cell"].get(f, "")) for f in fields]
+        cells = [format_value(row["cell"].get(f, "")) for f in fields]
         if row["status"] != "done":
             cells += [f"skipped: {row['reason']}"] + [""] * (len(columns) + 1)
         else:
@@ -348,8 +359,8 @@ def results_table(rows: list[dict], metric: str, extra: Sequence[str] = ()) -> s
                 cells.append(
                     "-"
                     if s is None
-                    else f"{_format(s['mean'])} ± {_format(s['std'])} "
-                    f"[{_format(s['min'])}, {_format(s['max'])}]"
+                    else f"{format_value(s['mean'])} ± {format_value(s['std'])} "
+                    f"[{format_value(s['min'])}, {format_value(s['max'])}]"
                 )
             cells += [str(len(row["seeds"])), f"{row['wall_time_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -361,7 +372,7 @@ def plot_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> list[p
     with two or more fields, a heatmap over the first two."""
     from qkv_jax.plots import plot_sweep_heatmap, plot_sweep_lines
 
-    fields = _fields(rows)
+    fields = swept_fields(rows)
     done = [r for r in rows if r["status"] == "done"]
     if not fields or not done:
         return []

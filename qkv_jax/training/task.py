@@ -18,17 +18,26 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 
 from qkv_jax.training.validate import ConfigError, get_field
 
-__all__ = ["Setup", "build_setup", "to_dict"]
+__all__ = ["AttentionView", "Setup", "build_setup", "to_dict"]
 
 Params = Any
 Batch = Any
+
+
+class AttentionView(NamedTuple):
+    """A task's attention on one input (what `Setup.inspect` returns)."""
+
+    maps: dict[str, Any]  # {layer name: attention weights [N, T, S]}
+    query_labels: list[str]  # T: the queries are the last T of the S key positions
+    key_labels: list[str]  # S
+    marks: list[int]  # key positions to mark (the flagged ones); may be empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +60,13 @@ class Setup:
       data: a pytree of arrays the functions above read (a text corpus, say),
         passed to them as an argument so that it is never baked into the
         compiled program as a constant.
-      inspect: optional `inspect(params, text) -> (maps, query_labels,
-        key_labels)` for `experiments.inspect`: the attention weights
-        `{layer: [N, T, S]}` of one input (`text` as the experiment reads it,
-        or None for a default one), with a label per position.
+      inspect: optional `inspect(params, text) -> AttentionView`: the
+        attention weights of every layer on one input (`text` as the task
+        reads it, or None for a default one), for `experiments.inspect` and
+        the explorer page of `experiments.report`.
+      report_inputs: optional `report_inputs(data, prompt) -> [(name, text)]`:
+        the inputs the explorer page shows (`prompt`: one given on the command
+        line, or None).
       outputs: the files (besides pictures) `report` writes into the workdir,
         so that `train.overwrite` moves them aside with the run's other files.
     """
@@ -66,14 +78,15 @@ class Setup:
     evaluate: Callable[[Params, jax.Array, Any], tuple[dict, Any]]
     report: Callable[..., dict] | None = None
     data: Any = dataclasses.field(default_factory=dict)
-    inspect: Callable[..., tuple[dict, list[str], list[str]]] | None = None
+    inspect: Callable[[Params, str | None], AttentionView] | None = None
+    report_inputs: Callable[[Any, str | None], list[tuple[str, str]]] | None = None
     outputs: tuple[str, ...] = ()
 
     @classmethod
     def from_methods(cls, functions: Any, **fields: Any) -> Setup:
-        """A Setup whose functions are `functions`' methods of the same names (`report` and
-        `inspect` when it has them), plus `fields` (model, data, outputs)."""
-        names = ("init", "sample_batch", "loss", "evaluate", "report", "inspect")
+        """A Setup whose functions are `functions`' methods of the same names (`report`,
+        `inspect` and `report_inputs` when it has them), plus `fields` (model, data, outputs)."""
+        names = ("init", "sample_batch", "loss", "evaluate", "report", "inspect", "report_inputs")
         return cls(**{name: getattr(functions, name) for name in names if hasattr(functions, name)}, **fields)
 
 

@@ -20,6 +20,7 @@ from qkv_jax.training.validate import ConfigError
 
 __all__ = [
     "DTYPES",
+    "PRECISIONS",
     "transformer_config",
     "make_model",
     "validate_model_config",
@@ -32,6 +33,8 @@ __all__ = [
 _FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
 # model.dtype / model.param_dtype by name.
 DTYPES = ("float32", "bfloat16", "float16")
+# model.precision: jax.lax.Precision's names.
+PRECISIONS = ("default", "high", "highest")
 
 
 def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerConfig:
@@ -68,6 +71,8 @@ def validate_model_config(config: Any, seq_len: int, source: str) -> None:
     for field in ("dtype", "param_dtype"):
         if model.get(field) is not None:
             validate.require_choice(config, f"model.{field}", DTYPES)
+    if model.get("precision") is not None:
+        validate.require_choice(config, "model.precision", PRECISIONS)
     if model.get("num_kv_heads") is not None:
         validate.require_divides(config, "model.num_kv_heads", "model.num_heads")
     if seq_len > model["max_len"]:
