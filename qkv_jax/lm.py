@@ -74,6 +74,8 @@ class TransformerConfig:
       precision: of every matmul (projections, attention, MLP, head), flax's
         spelling: None is JAX's default (TF32 for float32 on recent GPUs),
         "highest" full float32.
+      absorb_latent: MLA decoding attends over the cached latents with the
+        up-projections folded into the query and W_O (see `MultiHeadAttention`).
     """
 
     vocab_size: int
@@ -92,6 +94,7 @@ class TransformerConfig:
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     precision: PrecisionLike = None
+    absorb_latent: bool = True
 
     def __post_init__(self):
         _check_positive(
@@ -150,6 +153,7 @@ class TransformerBlock(nn.Module):
             sow_weights=config.sow_weights,
             attention_implementation=config.attention_implementation,
             precision=config.precision,
+            absorb_latent=config.absorb_latent,
             dtype=config.dtype,
             param_dtype=config.param_dtype,
             name="attention",

@@ -345,6 +345,10 @@ class MultiHeadAttention(nn.Module):
         only path that does either.
       precision: of every projection and every attention dot, forward and
         backward (`dot_product_attention`'s `precision`); None: JAX's default.
+      absorb_latent: MLA decoding from the cache attends over the cached
+        latents with the key up-projection folded into the query and the value
+        up-projection into W_O ("weight absorption"), never building K and V;
+        False rebuilds K and V from the latents at every step (the same outputs).
 
     `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False)`:
     `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]` (defaults to
@@ -375,6 +379,7 @@ class MultiHeadAttention(nn.Module):
     sow_weights: bool = False
     attention_implementation: str | None = None
     precision: PrecisionLike = None
+    absorb_latent: bool = True
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
@@ -462,19 +467,16 @@ class MultiHeadAttention(nn.Module):
         visible = jnp.arange(capacity)[None, :] <= positions[:, None]  # (T, L)
         return {name: c.value for name, c in cached.items()}, combine_masks(mask, visible), fits
 
-    def _keys_and_values(self, inputs_kv: Array, mask: Array | None, decode: bool, head_dim: int):
-        """K `[batch..., S, K, H]`, V `[batch..., S, K, Hv]`, the mask, and the cache's fit flag
-        (None when not decoding from a cache)."""
+    def _keys_and_values(self, inputs_kv: Array, mask: Array | None, decode: bool, projections: dict):
+        """K `[batch..., S, K, H]` and V `[batch..., S, K, Hv]` (or, for MLA decoding from a
+        filled cache with `absorb_latent`, None and the cached latents `[batch..., L, C]`),
+        the mask, and the cache's fit flag (None when not decoding from a cache)."""
         axis = inputs_kv.ndim - 2  # the position axis of everything cached
-        num_kv_heads = self.num_kv_heads or self.num_heads
-        v_head_dim = self.v_head_dim or head_dim
-        key_projection = self._projection((num_kv_heads, head_dim), "key")
-        value_projection = self._projection((num_kv_heads, v_head_dim), "value")
         fits = None
         if self.kv_latent_dim is None:
             entries = {
-                "key": key_projection(inputs_kv),  # (..., S, K, H)
-                "value": value_projection(inputs_kv),  # (..., S, K, Hv)
+                "key": projections["key"](inputs_kv),  # (..., S, K, H)
+                "value": projections["value"](inputs_kv),  # (..., S, K, Hv)
             }
             if decode:
                 entries, mask, fits = self._cache(entries, mask, axis)
@@ -483,7 +485,76 @@ class MultiHeadAttention(nn.Module):
         if decode:
             entries, mask, fits = self._cache({"latent": latent}, mask, axis)
             latent = entries["latent"]  # (..., L, C)
-        return key_projection(latent), value_projection(latent), mask, fits
+            if fits is not None and self.absorb_latent:
+                return None, latent, mask, fits
+        return projections["key"](latent), projections["value"](latent), mask, fits
+
+    def _attend(self, query, key, value, mask, fits, deterministic: bool, scale: float | None) -> Array:
+        """`dot_product_attention` with this module's options; sows the weights if asked."""
+        dropout = _dropout(self, self.dropout_rate, deterministic)
+        needs_reference = self.sow_weights or dropout["dropout_rate"] > 0
+        attended = dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            is_causal=self.is_causal and fits is None,  # a cache's mask is already causal
+            scale=scale,
+            **dropout,
+            return_weights=self.sow_weights,
+            implementation="reference" if needs_reference else self.attention_implementation,
+            precision=self.precision,
+        )
+        if not self.sow_weights:
+            return attended  # (..., T, N, Hv)
+        output, weights = attended  # (..., T, N, Hv), (..., N, T, S)
+        self.sow("intermediates", "attention_weights", weights)
+        return output
+
+    def _absorbed(self, query, latent, mask, fits, deterministic: bool, projections: dict) -> Array:
+        """MLA attention straight from the cached latents C `[..., L, C]`, K and V never built.
+
+        With key = C W_K + b_K and value = C W_V + b_V (kernels `[C, K, H]`,
+        `[C, K, Hv]`), head n (kv head k = n // (N/K)) has logits q_n (C W_K[k])^T
+        = (q_n W_K[k]^T) C^T, plus q_n b_K[k], the same for every key, which the
+        softmax cancels: the query is projected into the latent space and
+        attends over the latents (one shared kv head of depth C). Its output
+        sum_s w_s (c_s W_V[k] + b_V[k]) W_O[n] is the blend of the latents with
+        a constant 1 appended (which carries the sum of the weights), times
+        [W_V[k]; b_V[k]] W_O[n]: the value up-projection folded into W_O.
+        """
+        key_params, value_params, out_params = (
+            projections[n].variables["params"] for n in ("key", "value", "out")
+        )
+        W_key, W_value, W_out = nn.dtypes.promote_dtype(
+            key_params["kernel"], value_params["kernel"], out_params["kernel"], dtype=self.dtype
+        )  # (C, K, H), (C, K, Hv), (N, Hv, D_out)
+        num_kv_heads = W_key.shape[1]
+        group = self.num_heads // num_kv_heads
+        value_bias = value_params.get("bias", jnp.zeros(W_value.shape[1:], W_value.dtype))  # (K, Hv)
+        W_value = jnp.concatenate([W_value, value_bias[None].astype(W_value.dtype)], axis=0)  # (C + 1, K, Hv)
+        grouped = query.reshape(*query.shape[:-2], num_kv_heads, group, query.shape[-1])  # (..., T, K, G, H)
+        query_latent = jnp.einsum("...kgh,ckh->...kgc", grouped, W_key, precision=self.precision)
+        query_latent = query_latent.reshape(*query.shape[:-1], -1)  # (..., T, N, C)
+        W_value_out = jnp.einsum(
+            "ckv,kgvd->kgcd",
+            W_value,
+            W_out.reshape(num_kv_heads, group, *W_out.shape[1:]),
+            precision=self.precision,
+        ).reshape(self.num_heads, *W_value.shape[:1], W_out.shape[-1])  # (N, C + 1, D_out)
+        ones = jnp.ones((*latent.shape[:-1], 1), latent.dtype)
+        keys = latent[..., None, :].astype(query_latent.dtype)  # (..., L, 1, C)
+        values = jnp.concatenate([latent, ones], axis=-1)[..., None, :].astype(
+            query_latent.dtype
+        )  # (..., L, 1, C + 1)
+        scale = self.scale if self.scale is not None else query.shape[-1] ** -0.5
+        blended = self._attend(
+            query_latent, keys, values, mask, fits, deterministic, scale
+        )  # (..., T, N, C + 1)
+        output = jnp.einsum(
+            "...nc,ncd->...d", blended, W_value_out, precision=self.precision
+        )  # (..., T, D_out)
+        return output + out_params["bias"] if "bias" in out_params else output
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False):
@@ -499,27 +570,17 @@ class MultiHeadAttention(nn.Module):
             )
         features = inputs_q.shape[-1]
         head_dim = self.resolved_head_dim(features)
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        projections = {
+            "key": self._projection((num_kv_heads, head_dim), "key"),
+            "value": self._projection((num_kv_heads, self.v_head_dim or head_dim), "value"),
+            "out": self._projection(self.out_features or features, "out", axis=(-2, -1)),
+        }
         query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
-        key, value, mask, fits = self._keys_and_values(inputs_kv, mask, decode, head_dim)
-        dropout = _dropout(self, self.dropout_rate, deterministic)
-        needs_reference = self.sow_weights or dropout["dropout_rate"] > 0
-        attended = dot_product_attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            is_causal=self.is_causal and fits is None,  # a cache's mask is already causal
-            scale=self.scale,
-            **dropout,
-            return_weights=self.sow_weights,
-            implementation="reference" if needs_reference else self.attention_implementation,
-            precision=self.precision,
-        )
-        if self.sow_weights:
-            output, weights = attended  # (..., T, N, Hv), (..., N, T, S)
-            self.sow("intermediates", "attention_weights", weights)
+        key, value, mask, fits = self._keys_and_values(inputs_kv, mask, decode, projections)
+        if key is None:  # MLA decoding: attend over the cached latents directly
+            output = self._absorbed(query, value, mask, fits, deterministic, projections)  # (..., T, D_out)
         else:
-            output = attended  # (..., T, N, Hv)
-        out_features = self.out_features or features
-        output = self._projection(out_features, "out", axis=(-2, -1))(output)  # (..., T, D_out)
+            output = self._attend(query, key, value, mask, fits, deterministic, self.scale)  # (..., T, N, Hv)
+            output = projections["out"](output)  # (..., T, D_out)
         return output if fits is None else jnp.where(fits, output, jnp.nan)

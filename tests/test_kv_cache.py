@@ -154,3 +154,53 @@ def test_decode_arguments_are_checked():
         causal.apply(variables, X[:1, :1], decode=True, mutable=["cache"])
     with pytest.raises(ValueError, match="kv_latent_dim must be a positive int, got 0"):
         qkv_jax.MultiHeadAttention(num_heads=2, kv_latent_dim=0)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_absorbed_mla_decoding_equals_rebuilding_keys_and_values(kv_heads):
+    """Weight absorption (the default) against K and V rebuilt from the latents at every step:
+    the same outputs (float32, 1e-5), with non-zero biases, a prompt and single tokens, GQA."""
+    fields = dict(num_heads=N, num_kv_heads=kv_heads, kv_latent_dim=3, is_causal=True)
+    absorbed = qkv_jax.MultiHeadAttention(**fields)
+    explicit = qkv_jax.MultiHeadAttention(**fields, absorb_latent=False)
+    variables = absorbed.init(jax.random.PRNGKey(1), X, decode=True)
+    noise = jax.random.split(jax.random.PRNGKey(2), len(jax.tree.leaves(variables["params"])))
+    params = jax.tree.unflatten(
+        jax.tree.structure(variables["params"]),
+        [
+            p + 0.3 * jax.random.normal(k, p.shape)
+            for p, k in zip(jax.tree.leaves(variables["params"]), noise, strict=True)
+        ],
+    )
+    outputs = {}
+    for name, module in (("absorbed", absorbed), ("explicit", explicit)):
+        cache, pieces = variables["cache"], []
+        for inputs in (X[:, :3], X[:, 3:4], X[:, 4:5], X[:, 5:6]):
+            output, state = jax.jit(
+                lambda c, x, m=module: m.apply(
+                    {"params": params, "cache": c}, x, decode=True, mutable=["cache"]
+                )
+            )(cache, inputs)
+            cache = state["cache"]
+            pieces.append(output)
+        outputs[name] = jnp.concatenate(pieces, axis=1)
+    np.testing.assert_allclose(outputs["absorbed"], outputs["explicit"], atol=1e-5, rtol=1e-5)
+    full = absorbed.apply({"params": params}, X)
+    np.testing.assert_allclose(outputs["absorbed"], full, atol=1e-5, rtol=1e-5)
+
+
+def test_absorbed_mla_decoding_builds_no_keys_or_values():
+    """The absorbed decode step's program has no [.., L, K, H] key or value array in it."""
+    module = qkv_jax.MultiHeadAttention(num_heads=N, num_kv_heads=2, kv_latent_dim=3, is_causal=True)
+    variables = module.init(jax.random.PRNGKey(1), X, decode=True)
+
+    def shapes(module):
+        step = lambda c, x: module.apply(
+            {"params": variables["params"], "cache": c}, x, decode=True, mutable=["cache"]
+        )
+        jaxpr = jax.make_jaxpr(step)(variables["cache"], X[:, :1])
+        return {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars if hasattr(v.aval, "shape")}
+
+    rebuilt = (B, L, 2, D // N)  # K and V over the whole cache, [B, L, K, H]
+    assert rebuilt in shapes(module.clone(absorb_latent=False))
+    assert rebuilt not in shapes(module)
