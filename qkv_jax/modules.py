@@ -519,42 +519,44 @@ class MultiHeadAttention(nn.Module):
         = (q_n W_K[k]^T) C^T, plus q_n b_K[k], the same for every key, which the
         softmax cancels: the query is projected into the latent space and
         attends over the latents (one shared kv head of depth C). Its output
-        sum_s w_s (c_s W_V[k] + b_V[k]) W_O[n] is the blend of the latents with
-        a constant 1 appended (which carries the sum of the weights), times
-        [W_V[k]; b_V[k]] W_O[n]: the value up-projection folded into W_O.
+        sum_s w_s (c_s W_V[k] + b_V[k]) is the blend of the latents times W_V[k],
+        plus b_V[k] where the row attends to anything (its weights sum to 1):
+        the value up-projection moves past the attention, to each query's blend
+        instead of every cached position, where it meets W_O.
+        Both projections are applied per query token, which costs fewer
+        operations than folding them into W_Q and W_O ahead of time when C is
+        larger than the head depth.
         """
-        key_params, value_params, out_params = (
-            projections[n].variables["params"] for n in ("key", "value", "out")
+        key_params, value_params = (
+            projections["key"].variables["params"],
+            projections["value"].variables["params"],
         )
-        W_key, W_value, W_out = nn.dtypes.promote_dtype(
-            key_params["kernel"], value_params["kernel"], out_params["kernel"], dtype=self.dtype
-        )  # (C, K, H), (C, K, Hv), (N, Hv, D_out)
-        num_kv_heads = W_key.shape[1]
-        group = self.num_heads // num_kv_heads
-        value_bias = value_params.get("bias", jnp.zeros(W_value.shape[1:], W_value.dtype))  # (K, Hv)
-        W_value = jnp.concatenate([W_value, value_bias[None].astype(W_value.dtype)], axis=0)  # (C + 1, K, Hv)
+        W_key, W_value = nn.dtypes.promote_dtype(
+            key_params["kernel"], value_params["kernel"], dtype=self.dtype
+        )
+        num_kv_heads, group = W_key.shape[1], self.num_heads // W_key.shape[1]  # (C, K, H), (C, K, Hv)
         grouped = query.reshape(*query.shape[:-2], num_kv_heads, group, query.shape[-1])  # (..., T, K, G, H)
         query_latent = jnp.einsum("...kgh,ckh->...kgc", grouped, W_key, precision=self.precision)
         query_latent = query_latent.reshape(*query.shape[:-1], -1)  # (..., T, N, C)
-        W_value_out = jnp.einsum(
-            "ckv,kgvd->kgcd",
-            W_value,
-            W_out.reshape(num_kv_heads, group, *W_out.shape[1:]),
-            precision=self.precision,
-        ).reshape(self.num_heads, *W_value.shape[:1], W_out.shape[-1])  # (N, C + 1, D_out)
-        ones = jnp.ones((*latent.shape[:-1], 1), latent.dtype)
-        keys = latent[..., None, :].astype(query_latent.dtype)  # (..., L, 1, C)
-        values = jnp.concatenate([latent, ones], axis=-1)[..., None, :].astype(
-            query_latent.dtype
-        )  # (..., L, 1, C + 1)
+        latents = latent[..., None, :].astype(query_latent.dtype)  # (..., L, 1, C): key and value
         scale = self.scale if self.scale is not None else query.shape[-1] ** -0.5
         blended = self._attend(
-            query_latent, keys, values, mask, fits, deterministic, scale
-        )  # (..., T, N, C + 1)
+            query_latent, latents, latents, mask, fits, deterministic, scale
+        )  # (..., T, N, C)
+        blended = blended.reshape(*blended.shape[:-2], num_kv_heads, group, -1)  # (..., T, K, G, C)
         output = jnp.einsum(
-            "...nc,ncd->...d", blended, W_value_out, precision=self.precision
-        )  # (..., T, D_out)
-        return output + out_params["bias"] if "bias" in out_params else output
+            "...kgc,ckv->...kgv", blended, W_value, precision=self.precision
+        )  # (..., T, K, G, Hv)
+        output = output.reshape(*query.shape[:-1], -1)  # (..., T, N, Hv)
+        if "bias" in value_params:  # b_V[k] for every row that attends to a key
+            value_bias = jnp.repeat(value_params["bias"], group, axis=0).astype(output.dtype)  # (N, Hv)
+            if mask is not None:  # broadcastable to (..., N, T, L)
+                has_key = jnp.any(mask.reshape((1,) * (3 - mask.ndim) + mask.shape), axis=-1)  # (..., N|1, T)
+                value_bias = jnp.where(
+                    jnp.swapaxes(has_key, -1, -2)[..., None], value_bias, 0
+                )  # (..., T, N, Hv)
+            output = output + value_bias
+        return projections["out"](output)  # (..., T, D_out)
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False):
