@@ -26,6 +26,7 @@ Writes benchmarks/results/lm.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -205,57 +206,130 @@ def worker_torch_train(name: str, steps: int, threads: int | None) -> dict:
     }
 
 
-def gpu_run(steps: int, dry_run: bool) -> None:
-    """benchmarks/gpu.sh's LM step: training tokens/s of both models and KV-cache
-    decoding, in this process on the default device (plain `jax.jit`; the CPU
-    compiler options do not apply). Writes benchmarks/results/lm_gpu.json unless
-    `dry_run` (2 steps, any device, nothing written)."""
+# issue 19, finding 5: the LM training step on a GPU, against torch eager and torch.compile.
+GPU_LM = {"vocab_size": 256, "num_layers": 6, "d_model": 768, "num_heads": 12, "max_len": 1024}
+GPU_LM_DRY = {"vocab_size": 256, "num_layers": 2, "d_model": 64, "num_heads": 4, "max_len": 64}
+GPU_BATCH = 16
+DENSE_BF16_PEAK = 989e12  # NVIDIA H200 (SXM) datasheet: 1,979 TFLOP/s bf16 with sparsity, half dense
+
+
+def lm_flops_per_token(shape: dict) -> float:
+    """Training FLOPs per token (PaLM, appendix B): 6 x the non-embedding parameters (the
+    matmuls forward and backward, the head included) + 12 x layers x width x sequence length
+    (the attention's Q K^T and weights x V, forward and backward)."""
+    layers, width, length = shape["num_layers"], shape["d_model"], shape["max_len"]
+    matmul_params = layers * 12 * width**2 + shape["vocab_size"] * width  # q, k, v, o, mlp (4x); head
+    return 6 * matmul_params + 12 * layers * width * length
+
+
+def jax_lm_step_s(shape: dict, steps: int) -> float:
+    """Seconds per step of TransformerLM (bf16 compute, float32 parameters) with optax AdamW in
+    a plain `jax.jit` step with the state donated; `steps` steps queued, then one sync."""
     import jax
-    import numpy as np
+    import jax.numpy as jnp
+    import optax
+    from flax.training.train_state import TrainState
 
-    from qkv_jax.lm import generate
-    from qkv_jax.training import make_train_chunk
-    from qkv_jax.training.transformer import make_model
+    from qkv_jax.lm import TransformerConfig, TransformerLM
+    from qkv_jax.training.transformer import cross_entropy
 
-    steps = 2 if dry_run else steps
+    model = TransformerLM(TransformerConfig(**shape, dtype=jnp.bfloat16))
+    tokens = jax.random.randint(
+        jax.random.PRNGKey(0), (GPU_BATCH, shape["max_len"] + 1), 0, shape["vocab_size"]
+    )
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), tokens[:, :-1])["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-4, weight_decay=0.01))
+
+    def loss(params, tokens):
+        return cross_entropy(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, tokens):
+        value, grads = jax.value_and_grad(loss)(state.params, tokens)
+        return state.apply_gradients(grads=grads), value
+
+    for _ in range(2):  # compiles, then one warm step
+        state, value = step(state, tokens)
+    value.block_until_ready()
+    started = time.perf_counter()
+    for _ in range(steps):
+        state, value = step(state, tokens)
+    value.block_until_ready()
+    return (time.perf_counter() - started) / steps
+
+
+def torch_lm_step_s(shape: dict, steps: int, compiled: bool) -> float:
+    """The same architecture in PyTorch: bf16 autocast, fused AdamW, eager or torch.compile."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.lm_torch import TorchLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = TorchLM(
+        shape["vocab_size"], shape["num_layers"], shape["d_model"], shape["num_heads"], shape["max_len"]
+    )
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=device == "cuda")
+    forward = torch.compile(model) if compiled else model
+    tokens = torch.randint(0, shape["vocab_size"], (GPU_BATCH, shape["max_len"] + 1), device=device)
+
+    def step():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            logits = forward(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    for _ in range(3):  # compiles (torch.compile), then warm steps
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    loss.item()  # one sync
+    return (time.perf_counter() - started) / steps
+
+
+def gpu_run(steps: int, dry_run: bool) -> None:
+    """benchmarks/gpu.sh's LM step: ms per training step of the issue-19 LM (6 layers, d_model
+    768, 12 heads, T 1024, batch 16, vocab 256, bf16 compute, AdamW) in JAX and in torch eager
+    and torch.compile, with TFLOP/s and model FLOPs utilisation; then KV-cache decoding of the
+    char LM. Writes benchmarks/results/lm_gpu.json unless `dry_run` (tiny shapes, any device)."""
+    import jax
+
+    shape, steps = (GPU_LM_DRY, 2) if dry_run else (GPU_LM, steps)
+    flops = lm_flops_per_token(shape) * GPU_BATCH * shape["max_len"]
     device = jax.devices()[0]
     lines = [
-        f"Device: {device.device_kind} ({jax.default_backend()}); float32 parameters; "
-        f"{steps} training steps per timed call, median of 3 calls.",
+        f"Device: {device.device_kind} ({jax.default_backend()}). TransformerLM {shape}, batch {GPU_BATCH}, "
+        f"bf16 compute with float32 parameters, AdamW; {steps} steps queued, then one sync. Model FLOPs "
+        f"per step {flops / 1e12:.3g} T (6 N + 12 L d T per token); MFU against {DENSE_BF16_PEAK / 1e12:.0f} "
+        "TFLOP/s (H200 dense bf16).",
         "",
-        "| measurement | tokens/s |",
-        "|---|---|",
+        "| implementation | ms / step | TFLOP/s | MFU |",
+        "|---|---|---|---|",
     ]
-    ratios: dict = {}
-    for name in MODELS:
-        config, setup, data_key, state = initial_training(name)
-        chunk = jax.jit(make_train_chunk(setup, steps))
-        warm, losses = chunk(state, data_key, setup.data)  # compiles
-        losses.block_until_ready()
-
-        def call(chunk=chunk, warm=warm, data_key=data_key, data=setup.data):
-            return chunk(warm, data_key, data)[1].block_until_ready()
-
-        run_s = timed_median(call, 3)
-        tokens = config["train"]["batch_size"] * config["task"]["seq_len"] * steps
-        lines.append(f"| {name} training | {tokens / run_s:.0f} |")
-        ratios[f"{name}_training_tokens_per_s"] = tokens / run_s
-    config = model_config("char_lm")
-    model = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, model.config.max_len), np.int32))[
-        "params"
-    ]
-    new_tokens = 8 if dry_run else NEW_TOKENS
-    for batch in DECODE_BATCHES:
-        prompt = np.ones((batch, 1), np.int32)
-
-        def decode(prompt=prompt):
-            return generate(model, params, prompt, new_tokens, rng=jax.random.PRNGKey(0), temperature=0.0)
-
-        decode().block_until_ready()  # compiles
-        seconds = timed_median(lambda decode=decode: decode().block_until_ready(), 3)
-        lines.append(f"| char_lm KV-cache decoding, batch {batch} | {batch * new_tokens / seconds:.0f} |")
-        ratios[f"char_lm_decode_batch{batch}_tokens_per_s"] = batch * new_tokens / seconds
+    seconds = {"qkv_jax (jax.jit)": jax_lm_step_s(shape, steps)}
+    try:
+        seconds["torch eager"] = torch_lm_step_s(shape, steps, compiled=False)
+        seconds["torch.compile"] = torch_lm_step_s(shape, steps, compiled=True)
+    except Exception as error:  # noqa: BLE001 - the peer is optional: say why it is missing
+        lines.insert(1, f"(torch peer not measured: {type(error).__name__}: {str(error).splitlines()[0]})")
+    for name, s in seconds.items():
+        lines.append(
+            f"| {name} | {1e3 * s:.2f} | {flops / s / 1e12:.1f} | {flops / s / DENSE_BF16_PEAK:.1%} |"
+        )
+    ratios = {f"lm_step_ms/{name}": 1e3 * s for name, s in seconds.items()}
+    for peer in ("torch eager", "torch.compile"):
+        if peer in seconds:
+            ratios[f"lm_step_qkv_jax_over_{peer.replace(' ', '_')}"] = (
+                seconds["qkv_jax (jax.jit)"] / seconds[peer]
+            )
+    lines += ["", *decode_lines(dry_run, ratios)]
     print("\n".join(lines))
     if dry_run:
         print("dry run: nothing written")
@@ -266,6 +340,33 @@ def gpu_run(steps: int, dry_run: bool) -> None:
         {"title": "LM on a GPU (benchmarks/gpu.sh)", "table": lines, "ratios": ratios},
     )
     print(f"wrote {path}")
+
+
+def decode_lines(dry_run: bool, ratios: dict) -> list[str]:
+    """KV-cache decoding tokens/s of configs/char_lm.py's model on the default device."""
+    import jax
+    import numpy as np
+
+    from qkv_jax.lm import generate
+    from qkv_jax.training.transformer import make_model
+
+    config = model_config("char_lm")
+    model = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
+    length = np.zeros((1, model.config.max_len), np.int32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), length)["params"]
+    new_tokens = 8 if dry_run else NEW_TOKENS
+    lines = ["| char_lm KV-cache decoding | tokens/s |", "|---|---|"]
+    for batch in DECODE_BATCHES:
+        prompt = np.ones((batch, 1), np.int32)
+
+        def decode(prompt=prompt):
+            return generate(model, params, prompt, new_tokens, rng=jax.random.PRNGKey(0), temperature=0.0)
+
+        decode().block_until_ready()  # compiles
+        seconds = timed_median(lambda decode=decode: decode().block_until_ready(), 3)
+        lines.append(f"| batch {batch} | {batch * new_tokens / seconds:.0f} |")
+        ratios[f"char_lm_decode_batch{batch}_tokens_per_s"] = batch * new_tokens / seconds
+    return lines
 
 
 def spawn(args: list[str], tcmalloc: bool) -> dict:

@@ -43,7 +43,7 @@ class TorchLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, T, D)
         for block in self.blocks:
             x = block(x)

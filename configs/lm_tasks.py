@@ -4,6 +4,9 @@ r"""The char LM's TransformerLM on synthetic next-token tasks with a known answe
             python -m experiments.train --config configs/lm_tasks.py:copy --workdir runs/copy
   brackets  a random bracket prefix, "=", the closing brackets that complete it (about a minute):
             python -m experiments.train --config configs/lm_tasks.py:brackets --workdir runs/brackets
+  repeat    a random segment of random length, repeated (induction heads form to predict it;
+            python -m experiments.lm_studies induction ... follows them):
+            python -m experiments.train --config configs/lm_tasks.py:repeat --workdir runs/repeat
 
 eval_accuracy is the share of answer tokens predicted right (argmax), eval_sequence_accuracy
 the share of sequences with every answer right. Any field can be overridden,
@@ -20,6 +23,8 @@ TASKS = {
     "copy": ({"length": 8, "vocab_size": 16}, 400),
     # Brackets in the prefix; bracket types (vocabulary: pad, '=', an opener and a closer per type).
     "brackets": ({"length": 12, "num_types": 3}, 1500),
+    # The longest repeated segment (sequences are 2 * length tokens); tokens 0 .. vocab_size - 1.
+    "repeat": ({"length": 16, "vocab_size": 32}, 1500),
 }
 VARIANTS = tuple(TASKS)
 

@@ -9,6 +9,10 @@ token is determined by the earlier ones. A model is scored on those.
   bracket_batch  a random prefix of opening and closing brackets of several
                  types, '=', then the closing brackets that complete it,
                  innermost first, then an end token: needs a stack.
+  repeat_batch   a random segment of random length, repeated, then random
+                 filler: the repeat is predictable only by looking the current
+                 token up earlier in the sequence (an induction head), since
+                 its offset changes from sequence to sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["copy_batch", "bracket_batch", "BRACKET_PAD", "BRACKET_EQUALS", "COPY_SEPARATOR"]
+__all__ = [
+    "copy_batch",
+    "bracket_batch",
+    "repeat_batch",
+    "BRACKET_PAD",
+    "BRACKET_EQUALS",
+    "COPY_SEPARATOR",
+]
 
 COPY_SEPARATOR = 0
 BRACKET_PAD = 0  # also the end of a completion
@@ -90,4 +101,22 @@ def bracket_batch(
     sequence = jnp.concatenate([prefix, equals, completion], axis=1)  # (B, 2P + 1)
     answers = steps[None, :] <= depth[:, None]  # (B, P): the closers and the end token
     answer_mask = jnp.concatenate([jnp.zeros_like(answers), answers], axis=1)  # (B, 2P)
+    return _shifted(sequence, answer_mask)
+
+
+def repeat_batch(key: jax.Array, batch_size: int, length: int, vocab_size: int) -> dict[str, jax.Array]:
+    """Sequences `s, s, filler` of `2 length + 1` uniform tokens from `[0, vocab_size)`, where the
+    segment s has a random length n in `[length // 2, length]` (per sequence) and the filler
+    is fresh random tokens. Inputs and targets `[batch, 2 length]`; the answers are the
+    tokens of the second copy after its first (predictable from the first copy)."""
+    if length < 2 or vocab_size < 2:
+        raise ValueError(f"repeat_batch: need length >= 2 and vocab_size >= 2, got {length}, {vocab_size}")
+    token_key, length_key = jax.random.split(key)
+    tokens = jax.random.randint(token_key, (batch_size, 2 * length + 1), 0, vocab_size)  # (B, 2L + 1)
+    n = jax.random.randint(length_key, (batch_size, 1), length // 2, length + 1)  # (B, 1)
+    positions = jnp.arange(2 * length + 1)  # (2L + 1,)
+    source = jnp.where((positions >= n) & (positions < 2 * n), positions - n, positions)  # (B, 2L + 1)
+    sequence = jnp.take_along_axis(tokens, source, axis=1)  # the second copy reads the first
+    targets = jnp.arange(2 * length)  # target t is sequence token t + 1
+    answer_mask = (targets >= n) & (targets < 2 * n - 1)  # (B, 2L): copy tokens 1 .. n - 1
     return _shifted(sequence, answer_mask)

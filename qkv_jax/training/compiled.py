@@ -95,14 +95,13 @@ class CompiledPrograms:
     def _chunk_program(self, n: int) -> concurrent.futures.Future:
         def jitted():
             chunk = make_train_chunk(self._setup, n, self._batches)
+            # The incoming state is donated: its buffers become the outgoing state's (no copy).
             in_shardings = (self.state_sharding, self._replicated, self._replicated)
             if self._use_checkify:  # the error value's sharding is left to XLA
-                return jax.jit(
-                    checkify.checkify(chunk, errors=checkify.float_checks), in_shardings=in_shardings
-                )
-            return jax.jit(
-                chunk, in_shardings=in_shardings, out_shardings=(self.state_sharding, self._replicated)
-            )
+                checked = checkify.checkify(chunk, errors=checkify.float_checks)
+                return jax.jit(checked, in_shardings=in_shardings, donate_argnums=0)
+            out_shardings = (self.state_sharding, self._replicated)
+            return jax.jit(chunk, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=0)
 
         return self._compiled(("chunk", n), jitted, self.abstract_state, self._keys["data"], self._setup.data)
 

@@ -29,8 +29,9 @@ import numpy as np
 
 from qkv_jax.lm import TransformerLM, generate, kv_cache_bytes_per_token
 from qkv_jax.training.run import train_and_evaluate
+from qkv_jax.training.stats import mean_interval, paired_difference
 from qkv_jax.training.sweep import apply_overrides, run_sweep
-from qkv_jax.training.task import build_setup
+from qkv_jax.training.transformer import make_model
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_metrics
 
@@ -92,20 +93,27 @@ def causal_mask(base: dict, workdir: pathlib.Path) -> dict:
 
 
 def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[int]) -> dict:
-    """The K/V variants through the sweep launcher in workdir/sweep (the seeds of a
-    cell trained together), then each variant's KV-cache bytes per token and
-    decode speed."""
+    """The K/V variants through the sweep launcher in workdir/sweep (the seeds of a cell
+    trained together), then per variant: validation bits/char with its 95% interval over
+    seeds, the paired difference from MHA (same seeds: same batches, and the parameters
+    the variants share start equal), KV-cache bytes per token and decode speed (for MLA
+    with and without weight absorption)."""
     rows = run_sweep(base, pathlib.Path(workdir) / "sweep", cells, seeds, metric="eval_val_bits_per_char")
+    baseline = next(r for r in rows if _model(base, r["cell"]).config.num_kv_heads in (None, _heads(base)))
     results = []
     for row in rows:
-        config = apply_overrides(base, row["cell"])
-        setup = build_setup(config)
-        model = setup.model
-        if not isinstance(model, TransformerLM):
-            raise ConfigError(
-                f"task.module={config['task']['module']!r}: the K/V study needs a TransformerLM"
-            )
-        params = jax.jit(setup.init)(jax.random.PRNGKey(0))
+        model = _model(base, row["cell"])
+        params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+        speeds = {
+            f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(model, params, b)
+            for b in DECODE_BATCHES
+        }
+        if model.config.kv_latent_dim:  # the same model rebuilding K and V at every step
+            explicit = model.replace(absorb_latent=False)
+            speeds |= {
+                f"decode_tokens_per_s_batch{b}_explicit": decode_tokens_per_second(explicit, params, b)
+                for b in DECODE_BATCHES
+            }
         results.append(
             {
                 "arm": arm_name(model),
@@ -113,16 +121,29 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
                 "kv_latent_dim": model.config.kv_latent_dim,
                 "num_params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
                 "seeds": row["seeds"],
-                "val_bits_per_char": row["eval_val_bits_per_char_stats"],
-                "train_bits_per_char": row["eval_train_bits_per_char_stats"],
+                "val_bits_per_char_per_seed": row["eval_val_bits_per_char"],
+                "val_bits_per_char": mean_interval(row["eval_val_bits_per_char"]),
+                "difference_from_mha": paired_difference(
+                    row["eval_val_bits_per_char"], baseline["eval_val_bits_per_char"]
+                ),
+                "train_bits_per_char": mean_interval(row["eval_train_bits_per_char"]),
                 "kv_cache_bytes_per_token": kv_cache_bytes_per_token(model),
-                **{
-                    f"decode_tokens_per_s_batch{b}": decode_tokens_per_second(model, params, b)
-                    for b in DECODE_BATCHES
-                },
+                **speeds,
             }
         )
     return {"study": "kv_heads", "rows": results}
+
+
+def _heads(base: dict) -> int:
+    return base["model"]["num_heads"]
+
+
+def _model(base: dict, cell: dict) -> TransformerLM:
+    """The TransformerLM of `base` with a sweep cell's overrides."""
+    config = apply_overrides(base, cell)
+    if config["task"].get("module") != "qkv_jax.training.char_lm":
+        raise ConfigError(f"task.module={config['task'].get('module')!r}: the K/V study trains the char LM")
+    return make_model(config["model"], config["data"]["max_vocab_size"])
 
 
 def arm_name(model) -> str:
@@ -158,21 +179,28 @@ def _causal_mask_table(results: dict) -> list[str]:
 
 
 def _kv_heads_table(results: dict) -> list[str]:
-    speeds = [f"decode tokens/s (batch {b})" for b in DECODE_BATCHES]
+    speeds = [f"decode tokens/s, batch {b}" for b in DECODE_BATCHES]
     lines = [
-        "| arm | kv heads | latent | params | val bits/char (mean ± std [min, max] over seeds) "
-        "| KV cache bytes/token | " + " | ".join(speeds) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(speeds),
+        "| arm | kv heads | latent | params | val bits/char, mean [95% CI] | minus MHA, paired [95% CI] "
+        "| p | KV cache bytes/token | " + " | ".join(speeds) + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(speeds),
     ]
     for r in results["rows"]:
-        speed = " | ".join(f"{r[f'decode_tokens_per_s_batch{b}']:.0f}" for b in DECODE_BATCHES)
-        quality = r["val_bits_per_char"]
+        speed = " | ".join(_speed(r, b) for b in DECODE_BATCHES)
+        quality, difference = r["val_bits_per_char"], r["difference_from_mha"]
         lines.append(
             f"| {r['arm']} | {r['num_kv_heads']} | {r['kv_latent_dim'] or '-'} | {r['num_params']} "
-            f"| {quality['mean']:.3f} ± {quality['std']:.3f} [{quality['min']:.3f}, {quality['max']:.3f}] "
-            f"| {r['kv_cache_bytes_per_token']} | {speed} |"
+            f"| {quality['mean']:.4f} [{quality['low']:.4f}, {quality['high']:.4f}] "
+            f"| {difference['mean']:+.4f} [{difference['low']:+.4f}, {difference['high']:+.4f}] "
+            f"| {difference['p']:.2g} | {r['kv_cache_bytes_per_token']} | {speed} |"
         )
     return lines
+
+
+def _speed(row: dict, batch: int) -> str:
+    text = f"{row[f'decode_tokens_per_s_batch{batch}']:.0f}"
+    explicit = row.get(f"decode_tokens_per_s_batch{batch}_explicit")
+    return text if explicit is None else f"{text} (K, V rebuilt: {explicit:.0f})"
 
 
 def _causal_mask_plot(results: dict, axes) -> None:
@@ -196,13 +224,13 @@ def _kv_heads_plot(results: dict, axes) -> None:
             r["kv_cache_bytes_per_token"],
             quality["mean"],
             fmt="o",
-            yerr=[[quality["mean"] - quality["min"]], [quality["max"] - quality["mean"]]],
+            yerr=[[quality["mean"] - quality["low"]], [quality["high"] - quality["mean"]]],
         )
         axes[0].annotate(r["arm"], (r["kv_cache_bytes_per_token"], quality["mean"]), fontsize=8)
     axes[0].set(
         xscale="log",
         xlabel="KV-cache bytes per token",
-        ylabel="validation bits per character",
+        ylabel="validation bits per character (95% CI)",
         title="quality against cache size",
     )
     batch = DECODE_BATCHES[-1]
@@ -226,7 +254,9 @@ def write_results(workdir: pathlib.Path, results: dict, command: str) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    title, table, plot = _WRITERS[results["study"]]
+    from qkv_jax.training.attention_studies import WRITERS
+
+    title, table, plot = {**_WRITERS, **WRITERS}[results["study"]]
     record = {**results, "command": command, "table": table(results)}
     workdir = pathlib.Path(workdir)
     (workdir / "results.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from qkv_jax.lm import TransformerLM
-from qkv_jax.tasks.sequences import bracket_batch, copy_batch
+from qkv_jax.tasks.sequences import bracket_batch, copy_batch, repeat_batch
 from qkv_jax.training import validate
 from qkv_jax.training.loop import validate_train_config
 from qkv_jax.training.task import Setup
@@ -66,6 +66,12 @@ SEQUENCE_TASKS = {
         generate=bracket_batch,
         fields=("length", "num_types"),
         vocab_size=lambda task: 2 + 2 * task["num_types"],  # pad, '=', an opener and a closer per type
+    ),
+    "repeat": SequenceTask(
+        generate=repeat_batch,
+        fields=("length", "vocab_size"),
+        vocab_size=lambda task: task["vocab_size"],
+        minimum={"length": 2, "vocab_size": 2},
     ),
 }
 

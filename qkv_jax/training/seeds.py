@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +48,7 @@ def train_seeds(
     setup: Setup | None = None,
     workdir: str | pathlib.Path | None = None,
     stop: StopSignals | None = None,
+    probe: Callable[[Any], dict] | None = None,
 ) -> dict:
     """Trains `config` once per seed, all seeds in one vmapped program.
 
@@ -56,13 +57,16 @@ def train_seeds(
     training (its numbers become nan) and is reported in `diverged`, so one
     bad seed does not stop the others. With `workdir`, training resumes from
     its checkpoint and, when `stop` reaches a boundary, saves one and raises
-    `Preempted`.
+    `Preempted`. `probe(params) -> {name: array}` (one seed's parameters; it
+    is vmapped and jitted here) is measured before training and after every
+    compiled chunk, to follow something through training.
 
     Returns a dict with, per seed (lists in the order of `seeds`):
       final_loss, metrics {name: [...]}, untrained_metrics {name: [...]},
       curve_steps (the logged steps) and curves (loss at those steps, [seed][step]);
-    and params (the trained parameters, leading axis = seed), diverged (seeds
-    with a non-finite loss), compile_s, train_s, wall_time_s.
+    probes (with `probe`: {"step": [...], name: [step][seed]...}); params (the
+    trained parameters, leading axis = seed), diverged (seeds with a non-finite
+    loss), compile_s, train_s, wall_time_s.
     """
     started = time.perf_counter()
     config = to_dict(config)
@@ -82,17 +86,22 @@ def train_seeds(
     compile_s = time.perf_counter() - t
 
     t = time.perf_counter()
-    states, logged = _train(config, chunks, initial, workdir, stop or StopSignals())
+    store = _Store(workdir, config["train"])
+    probe = None if probe is None else jax.jit(jax.vmap(probe))
+    states = _train(config, chunks, initial, store, stop or StopSignals(), probe)
     train_s = time.perf_counter() - t
     trained, _ = jax.device_get(evaluate(states.params, keys["eval"], setup.data))
-    curves = np.stack([losses for _, losses in logged], axis=1)  # (num_seeds, num_logged)
+    logged = store.records("loss")
+    curves = np.array([r["loss"] for r in logged]).T  # (num_seeds, num_logged)
+    probes = store.records("probe")
     return {
         "seeds": seeds,
         "final_loss": curves[:, -1].tolist(),
         "metrics": {name: np.asarray(v).tolist() for name, v in trained.items()},
         "untrained_metrics": {name: np.asarray(v).tolist() for name, v in untrained.items()},
-        "curve_steps": [step for step, _ in logged],
+        "curve_steps": [r["step"] for r in logged],
         "curves": curves.tolist(),
+        **({"probes": {name: [r[name] for r in probes] for name in probes[0]}} if probes else {}),
         "diverged": [s for s, ok in zip(seeds, np.isfinite(curves).all(axis=1), strict=True) if not ok],
         "params": states.params,
         "compile_s": compile_s,
@@ -116,51 +125,85 @@ class _VmappedChunks:
         if n not in self._compiled:
             vmapped = jax.vmap(make_train_chunk(self._setup, n), in_axes=(0, 0, None))
             args = (self._states, self._keys["data"], self._setup.data)
-            self._compiled[n] = compile_for_platform(jax.jit(vmapped), *args)
+            self._compiled[n] = compile_for_platform(jax.jit(vmapped, donate_argnums=0), *args)
         return self._compiled[n]
 
     def __call__(self, states: Any, first_step: int, n: int) -> tuple[Any, jax.Array]:
         return self.compiled(n)(states, self._keys["data"], self._setup.data)
 
 
+class _Store:
+    """Where a vmapped run keeps its progress: in memory, or in a workdir (checkpoints/,
+    curves.jsonl with the logged losses, probes.jsonl with the probe's values) to resume from."""
+
+    def __init__(self, workdir: Any, train: dict):
+        self.directory = None if workdir is None else pathlib.Path(workdir)
+        self._logged: list[dict] = []
+        self._probes: list[dict] = []
+        self._checkpoints = None
+        if self.directory is not None:
+            self._checkpoints = Checkpoints(
+                self.directory / "checkpoints", max_to_keep=kept_checkpoints(train)
+            )
+
+    def restore(self, initial: Any) -> tuple[Any, int]:
+        """(states, step) from the newest checkpoint, else (initial, 0); opens the logs there."""
+        restored = None if self._checkpoints is None else restore_train_state(self._checkpoints, initial)
+        states, start_step = (initial, 0) if restored is None else (restored[1], restored[0])
+        if self.directory is not None:
+            self._curves = MetricsWriter(self.directory / "curves.jsonl", start_step, 1, tensorboard=False)
+            self._probe_log = MetricsWriter(self.directory / "probes.jsonl", start_step, 1, tensorboard=False)
+        return states, start_step
+
+    def write(self, kind: str, record: dict) -> None:
+        (self._logged if kind == "loss" else self._probes).append(record)
+        if self.directory is not None:
+            (self._curves if kind == "loss" else self._probe_log).write(record)
+
+    def save(self, step: int, states: Any) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.save(step, checkpoint_tree(states))
+
+    def records(self, kind: str) -> list[dict]:
+        """Every record of the run (from before a resume too)."""
+        if self.directory is None:
+            return self._logged if kind == "loss" else self._probes
+        return read_metrics(self.directory / ("curves.jsonl" if kind == "loss" else "probes.jsonl"))
+
+    def close(self) -> None:
+        if self.directory is not None:
+            self._curves.close()
+            self._probe_log.close()
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+
+
 def _train(
-    config: dict, chunks: _VmappedChunks, initial: Any, workdir: Any, stop: StopSignals
-) -> tuple[Any, list[tuple[int, np.ndarray]]]:
-    """(trained states, [(step, losses [num_seeds])] logged), resuming in `workdir` if given."""
+    config: dict, chunks: _VmappedChunks, initial: Any, store: _Store, stop: StopSignals, probe: Any
+) -> Any:
+    """Trains the vmapped states from `store`'s newest checkpoint (or `initial`) to `train.steps`;
+    logs losses and the probe's values into `store`, checkpoints there, stops on `stop`."""
     train = config["train"]
     steps, log_every, checkpoint_every = train["steps"], train["log_every"], train["checkpoint_every"]
-    if workdir is None:
-        logged: list[tuple[int, np.ndarray]] = []
-        states = train_chunks(
-            initial,
-            chunks,
-            start_step=0,
-            steps=steps,
-            chunk_length=_chunk_length(train),
-            after_chunk=lambda first, losses, _: logged.extend(
-                logged_losses(first, losses, log_every, steps)
-            ),
-        )
-        return states, logged
-    workdir = pathlib.Path(workdir)
-    checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(train))
-    restored = restore_train_state(checkpoints, initial)
-    states, start_step = (initial, 0) if restored is None else (restored[1], restored[0])
-    curves = MetricsWriter(workdir / "curves.jsonl", start_step, log_every, tensorboard=False)
+    states, start_step = store.restore(initial)
+    if probe is not None:
+        store.write("probe", {"step": start_step, **_plain(probe(states.params))})
     boundaries = iter(range(1 << 62))
 
     def after_chunk(first_step: int, losses: np.ndarray, states: Any) -> None:
         for step, seed_losses in logged_losses(first_step, losses, log_every, steps):
-            curves.write({"step": step, "loss": seed_losses.tolist()})
+            store.write("loss", {"step": step, "loss": seed_losses.tolist()})
         end = first_step + losses.shape[-1]
+        if probe is not None:
+            store.write("probe", {"step": end, **_plain(probe(states.params))})
         halt = stop.reached(next(boundaries))
         if end % checkpoint_every == 0 or end == steps or halt:
-            checkpoints.save(end, checkpoint_tree(states))
+            store.save(end, states)
         if halt and end < steps:
-            raise Preempted(end, stop.received or "a signal", str(checkpoints.directory))
+            raise Preempted(end, stop.received or "a signal", str(store.directory))
 
     try:
-        states = train_chunks(
+        return train_chunks(
             states,
             chunks,
             start_step=start_step,
@@ -169,6 +212,8 @@ def _train(
             after_chunk=after_chunk,
         )
     finally:
-        curves.close()
-        checkpoints.close()
-    return states, [(r["step"], np.asarray(r["loss"])) for r in read_metrics(workdir / "curves.jsonl")]
+        store.close()
+
+
+def _plain(values: dict) -> dict:
+    return {name: np.asarray(value).tolist() for name, value in jax.device_get(values).items()}

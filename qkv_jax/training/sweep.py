@@ -21,7 +21,7 @@ import json
 import math
 import pathlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,8 @@ def summarize(cell: dict[str, Any], result: dict) -> dict[str, Any]:
     row["steps_to_loss_below_1e-2_stats"] = _stats(reached)
     row["curve_steps"] = result["curve_steps"]
     row["curves"] = result["curves"]
+    if "probes" in result:
+        row["probes"] = result["probes"]
     row["diverged"] = result["diverged"]
     row["wall_time_s"] = result["wall_time_s"]
     row["compile_s"] = result["compile_s"]
@@ -179,6 +181,7 @@ def run_sweep(
     metric: str = "final_loss",
     overwrite: bool = False,
     shard: tuple[int, int] | None = None,
+    probe_for: Callable[[Any], Callable[[Any], dict]] | None = None,
     log: Any = print,
 ) -> list[dict]:
     """Trains every cell of `sweep` over `seeds` (with `shard` = (i, n), only the cells whose
@@ -186,8 +189,10 @@ def run_sweep(
     training (each cell is claimed with a `WorkdirLock` on cells/<name>/).
 
     Invalid cells (the config check fails) are rows with status "skipped" and
-    the reason. Once every cell is finished, whichever process finishes last
-    writes the results files. Returns the rows of the finished cells.
+    the reason. `probe_for(setup)`, when given, makes each cell's probe (see
+    `train_seeds`); its values go into the row's "probes". Once every cell is
+    finished, whichever process finishes last writes the results files.
+    Returns the rows of the finished cells.
     """
     base = to_dict(config)
     cells = grid(sweep)
@@ -206,7 +211,7 @@ def run_sweep(
     mine = [i for i in range(len(cells)) if shard is None or i % shard[1] == shard[0]]
     stop = StopSignals().install()  # SIGTERM/SIGINT: the running cell checkpoints and the sweep stops
     try:
-        runner = _Cells(base, seeds, cell_dir, metric, stop, log)
+        runner = _Cells(base, seeds, cell_dir, metric, stop, log, probe_for)
         for i in mine:
             runner.run(cells[i], f"[{i + 1}/{len(cells)}]")
     finally:
@@ -224,6 +229,7 @@ class _Cells:
     metric: str
     stop: StopSignals
     log: Any
+    probe_for: Callable[[Any], Callable[[Any], dict]] | None = None
 
     def run(self, cell: dict, tag: str) -> None:
         """Trains `cell` into cells/<name>/ (resuming from its checkpoint) and writes its row to

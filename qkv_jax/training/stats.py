@@ -1,0 +1,60 @@
+"""Confidence intervals over seeds, for the studies' tables.
+
+Seeds are few (4 to 8), so intervals use Student's t distribution (scipy's,
+which JAX itself depends on). A comparison of two variants trained on the
+same seeds is paired: seed s of both sees the same batches (and the
+parameters the two share start equal), so the difference per seed removes
+most of the seed-to-seed noise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["mean_interval", "paired_difference"]
+
+
+def _t(level: float, df: int) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(0.5 + level / 2, df))
+
+
+def mean_interval(values: Sequence[float] | Any, level: float = 0.95) -> dict:
+    """{"mean", "low", "high", "n"}: the mean and its `level` confidence interval."""
+    array = np.asarray(values, dtype=float)
+    n = len(array)
+    mean = float(array.mean())
+    if n < 2:
+        return {"mean": mean, "low": math.nan, "high": math.nan, "n": n}
+    half = _t(level, n - 1) * float(array.std(ddof=1)) / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+
+
+def paired_difference(
+    a: Sequence[float], b: Sequence[float], level: float = 0.95, power: float = 0.8
+) -> dict:
+    """Mean of `a - b` over paired seeds with its `level` interval, the two-sided p-value of a
+    paired t-test, whether the interval excludes 0 (`significant`), and `detectable`: the
+    smallest true difference this many seeds would find with probability `power` (at the
+    observed spread)."""
+    from scipy import stats
+
+    difference = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    n = len(difference)
+    result = mean_interval(difference, level)
+    if n < 2:
+        return {**result, "p": math.nan, "significant": False, "detectable": math.nan}
+    error = float(difference.std(ddof=1)) / math.sqrt(n)
+    p = float(stats.ttest_1samp(difference, 0.0).pvalue) if error > 0 else (0.0 if result["mean"] else 1.0)
+    detectable = (_t(level, n - 1) + float(stats.t.ppf(power, n - 1))) * error
+    return {
+        **result,
+        "p": p,
+        "significant": not result["low"] <= 0.0 <= result["high"],
+        "detectable": detectable,
+    }
