@@ -9,10 +9,10 @@ token is determined by the earlier ones. A model is scored on those.
   bracket_batch  a random prefix of opening and closing brackets of several
                  types, '=', then the closing brackets that complete it,
                  innermost first, then an end token: needs a stack.
-  repeat_batch   a random segment of random length, repeated, then random
-                 filler: the repeat is predictable only by looking the current
+  repeat_batch   random tokens in which a segment appears twice, at random
+                 places: the repeat is predictable only by looking the current
                  token up earlier in the sequence (an induction head), since
-                 its offset changes from sequence to sequence.
+                 where the copies are changes from sequence to sequence.
 """
 
 from __future__ import annotations
@@ -105,18 +105,23 @@ def bracket_batch(
 
 
 def repeat_batch(key: jax.Array, batch_size: int, length: int, vocab_size: int) -> dict[str, jax.Array]:
-    """Sequences `s, s, filler` of `2 length + 1` uniform tokens from `[0, vocab_size)`, where the
-    segment s has a random length n in `[length // 2, length]` (per sequence) and the filler
-    is fresh random tokens. Inputs and targets `[batch, 2 length]`; the answers are the
-    tokens of the second copy after its first (predictable from the first copy)."""
+    """`2 length + 1` uniform random tokens from `[0, vocab_size)` in which a segment of
+    `length // 2` tokens appears twice: first starting anywhere in the first half, again
+    starting anywhere in the second half (both starts random per sequence), so the repeat is
+    predictable only by finding the current token earlier in the sequence (an induction
+    head), not by its position. Inputs and targets `[batch, 2 length]`; the answers are the
+    tokens of the second copy after its first."""
     if length < 2 or vocab_size < 2:
         raise ValueError(f"repeat_batch: need length >= 2 and vocab_size >= 2, got {length}, {vocab_size}")
-    token_key, length_key = jax.random.split(key)
+    segment = length // 2
+    token_key, first_key, second_key = jax.random.split(key, 3)
     tokens = jax.random.randint(token_key, (batch_size, 2 * length + 1), 0, vocab_size)  # (B, 2L + 1)
-    n = jax.random.randint(length_key, (batch_size, 1), length // 2, length + 1)  # (B, 1)
+    first = jax.random.randint(first_key, (batch_size, 1), 0, length - segment + 1)  # (B, 1)
+    second = jax.random.randint(second_key, (batch_size, 1), length, 2 * length + 2 - segment)  # (B, 1)
     positions = jnp.arange(2 * length + 1)  # (2L + 1,)
-    source = jnp.where((positions >= n) & (positions < 2 * n), positions - n, positions)  # (B, 2L + 1)
-    sequence = jnp.take_along_axis(tokens, source, axis=1)  # the second copy reads the first
+    in_copy = (positions >= second) & (positions < second + segment)  # (B, 2L + 1)
+    source = jnp.where(in_copy, positions - second + first, positions)  # the copy reads the first
+    sequence = jnp.take_along_axis(tokens, source, axis=1)
     targets = jnp.arange(2 * length)  # target t is sequence token t + 1
-    answer_mask = (targets >= n) & (targets < 2 * n - 1)  # (B, 2L): copy tokens 1 .. n - 1
+    answer_mask = (targets >= second) & (targets < second + segment - 1)  # (B, 2L): copy tokens 1 ..
     return _shifted(sequence, answer_mask)

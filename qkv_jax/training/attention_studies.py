@@ -56,7 +56,12 @@ def _projection_norm(grads: Any, names: tuple[str, ...]) -> jax.Array:
 
 def thermostat_probe(setup: Setup) -> Any:
     """probe(params) -> the norm of the loss gradient at W_q and at W_k (on fixed training
-    batches), and the evaluation's attention entropy and mean largest weight."""
+    batches), the W_q gradient divided by the logits' scale (what the softmax passes back to
+    the logits, the scale's own factor taken out: logits = scale q.k, so dL/dW_q carries it
+    once), and the evaluation's attention entropy and mean largest weight."""
+    reader = setup.model
+    head_dim = reader.d_k // reader.num_heads if reader.kind == "multihead" else reader.d_k
+    scale = head_dim**-0.5 if reader.scaled else 1.0
     keys = jax.random.split(jax.random.PRNGKey(20260001), PROBE_BATCHES)
     batches = jax.vmap(setup.sample_batch, in_axes=(0, None))(keys, setup.data)
     key = jax.random.PRNGKey(20260002)
@@ -69,6 +74,7 @@ def thermostat_probe(setup: Setup) -> Any:
         metrics, _ = setup.evaluate(params, key, setup.data)
         return {
             "grad_query": _projection_norm(grads, ("W_query", "query")),
+            "grad_query_per_scale": _projection_norm(grads, ("W_query", "query")) / scale,
             "grad_key": _projection_norm(grads, ("W_key", "key")),
             "entropy": metrics["entropy"],
             "max_weight": metrics["head_max_weight"].mean(),
@@ -164,11 +170,11 @@ def induction(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
 
 
 def _thermostat_table(results: dict) -> list[str]:
-    names = ("grad_query", "grad_key", "entropy", "max_weight")
+    names = ("grad_query", "grad_key", "grad_query_per_scale", "entropy", "max_weight")
     lines = [
-        "| d_k | scale | gradient norm at W_q | at W_k | row entropy (nats) | largest weight "
-        "| steps to loss < 1e-2 | final accuracy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| d_k | scale | gradient norm at W_q | at W_k | W_q gradient / scale | row entropy (nats) "
+        "| largest weight | steps to loss < 1e-2 | final accuracy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         cells = [_interval(r["at_init"][name]) for name in names]
@@ -189,7 +195,7 @@ def _thermostat_plot(results: dict, axes: Any) -> None:
     for r in results["rows"]:
         style = "-" if r["scaled"] else "--"
         label = f"d_k={r['d_k']}, {'scaled' if r['scaled'] else 'unscaled'}"
-        for ax, name in zip(axes, ("grad_query", "entropy"), strict=True):
+        for ax, name in zip(axes, ("grad_query_per_scale", "entropy"), strict=True):
             mean = np.asarray(r["probes"][name]).mean(axis=1)  # over seeds
             ax.plot(r["steps"], mean, style, color=colors[r["d_k"]], label=label)
     axes[0].set(

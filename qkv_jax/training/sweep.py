@@ -260,8 +260,10 @@ class _Cells:
         except ConfigError as error:
             self.log(f"{tag} {name}: skipped ({error})")
             return {"cell": cell, "status": "skipped", "reason": str(error)}
+        probe = None if self.probe_for is None else self.probe_for(setup)
+        directory = self.directory / name
         result = train_seeds(
-            cell_config, self.seeds, setup=setup, workdir=self.directory / name, stop=self.stop
+            cell_config, self.seeds, setup=setup, workdir=directory, stop=self.stop, probe=probe
         )
         row = summarize(cell, result)
         value = row.get(f"{self.metric}_stats", row["final_loss_stats"])["mean"]
