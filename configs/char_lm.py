@@ -24,6 +24,23 @@ still measured with the mask):
   python -m experiments.train --config configs/char_lm.py --workdir runs/char_lm_unmasked \
     --config.model.causal=False
 
+Fine-tuning: start from runs/char_lm's parameters (and its tokenizer) on
+another text, with LoRA adapters of rank 4 on W_Q and W_V (only they train),
+or uptrain it as grouped-query attention (its K/V heads mean-pooled into 2):
+
+  python -m experiments.train --config configs/char_lm.py --workdir runs/char_lm_lora \
+    --config.train.init_from=runs/char_lm --config.model.lora_rank=4 \
+    --config.model.lora_targets=query,value --config.data.path=/path/to/file.txt
+  python -m experiments.train --config configs/char_lm.py --workdir runs/char_lm_gqa \
+    --config.train.init_from=runs/char_lm --config.train.convert_kv_heads=True \
+    --config.model.num_kv_heads=2 --config.train.steps=50
+
+Variant `gpu`: the shape of issue 19's GPU measurements (6 layers, d_model 768,
+12 heads, 1024-character windows, batch 16, bfloat16 compute with float32
+parameters), for an accelerator:
+
+  python -m experiments.train --config configs/char_lm.py:gpu --workdir runs/char_lm_gpu
+
 Variant `study`: the base of experiments/lm_studies.py (8 heads, 128-character
 windows, 300 steps; about a minute a run). Its `get_sweep` is the K/V study's
 grid (MHA, GQA, MQA and two MLA latents), trained through the sweep launcher:
@@ -36,22 +53,31 @@ from ml_collections import config_dict
 
 from configs import common
 
-VARIANTS = ("default", "study")
+# variant -> its sizes: the model, the training windows, steps and checkpoints, the samples' length.
+SIZES = {
+    "default": dict(layers=2, width=128, heads=4, seq_len=256, steps=500, checkpoint_every=250, sample=200),
+    "study": dict(layers=2, width=128, heads=8, seq_len=128, steps=300, checkpoint_every=300, sample=100),
+    # issue 19's GPU shape (an accelerator's: bf16 compute; minutes on a CPU per step).
+    "gpu": dict(layers=6, width=768, heads=12, seq_len=1024, steps=2000, checkpoint_every=500, sample=200),
+}
+VARIANTS = tuple(SIZES)
 
 
 def get_config(arg=None):
     variant = arg or "default"
     if variant not in VARIANTS:
         raise ValueError(f"configs/char_lm.py:{variant}: unknown variant; choose one of {VARIANTS}")
-    study = variant == "study"
+    sizes = SIZES[variant]
     config = common.base("char_lm")
     config.model = common.transformer(
-        num_layers=2, d_model=128, num_heads=8 if study else 4, max_len=128 if study else 256
+        num_layers=sizes["layers"], d_model=sizes["width"], num_heads=sizes["heads"], max_len=sizes["seq_len"]
     )
+    if variant == "gpu":
+        config.model.dtype = "bfloat16"  # float32 parameters, bf16 matmuls and attention (cuDNN)
 
     config.task = common.task("qkv_jax.training.char_lm", "char_lm")
     # Characters per training window (the model predicts each one's successor).
-    config.task.seq_len = 128 if study else 256
+    config.task.seq_len = sizes["seq_len"]
 
     config.data = ml_collections.ConfigDict()
     # A UTF-8 text file to train on; unset = the standard library's .py files.
@@ -62,11 +88,11 @@ def get_config(arg=None):
     config.data.max_vocab_size = 128
 
     config.train = common.lm_train(
-        steps=300 if study else 500,
+        steps=sizes["steps"],
         batch_size=16,
         warmup_steps=50,
         log_every=50,
-        checkpoint_every=300 if study else 250,
+        checkpoint_every=sizes["checkpoint_every"],
     )
     config.mesh = common.mesh()
 
@@ -78,9 +104,12 @@ def get_config(arg=None):
     # ... this many of them ...
     config.eval.num_samples = 2
     # ... each this many characters long ...
-    config.eval.sample_length = 100 if study else 200
+    config.eval.sample_length = sizes["sample"]
     # ... at this temperature (0 = greedy).
     config.eval.temperature = 0.8
+    # Head ablation (eval_head_ablation [layers, heads]): validation windows (at most eval.num_examples),
+    # one forward pass per head; 0 = off.
+    config.eval.ablation_examples = 32
     return config
 
 

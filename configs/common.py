@@ -73,6 +73,12 @@ def train(
     section.overwrite = False
     # Check every operation of the compiled step for nan and division by zero (slower).
     section.checkify = False
+    # Start from another run's parameters: its workdir, checkpoints/ or one step directory (read
+    # only; newest usable checkpoint; fresh optimizer, step 0). Ignored once this run has its own
+    # checkpoints. Not resumable: another source is another run. Unset = fresh initialisation.
+    section.init_from = config_dict.placeholder(str)
+    # With init_from: mean-pool the source's K/V heads into model.num_kv_heads groups (MHA -> GQA/MQA).
+    section.convert_kv_heads = False
     return section
 
 
@@ -134,4 +140,10 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     # Matmul precision (flax's `precision`): default, high or highest; unset = JAX's default
     # (TF32 for float32 on recent NVIDIA GPUs; highest = full float32).
     section.precision = config_dict.placeholder(str)
+    # LoRA adapters of this rank beside the lora_targets kernels, and only they train; 0 = none.
+    section.lora_rank = 0
+    # The adapters' update is scaled by lora_alpha / lora_rank.
+    section.lora_alpha = 16.0
+    # Comma-separated: query, key, value, out (attention), kv_latent (MLA), mlp (mlp_in and mlp_out).
+    section.lora_targets = "query,value"
     return section

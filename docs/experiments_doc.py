@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+
+from docs.generate import launcher_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STUDIES_DIR = ROOT / "runs" / "studies"
@@ -32,10 +33,7 @@ def run(command: list[str]) -> None:
         [sys.executable, "-m", *command],
         cwd=ROOT,
         check=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        },
+        env=launcher_env(),
     )
 
 
@@ -636,6 +634,325 @@ def induction_heads() -> str:
     )
 
 
+# --- Issue 16: fine-tuning the learned projections -------------------------------------
+
+FINETUNE_PRETRAINED = "runs/studies/lm_pretrain"
+
+
+def finetune_command(study: str) -> list[str]:
+    """The launcher command of one of experiments/finetune.py's studies (4 seeds, shared pre-training)."""
+    workdir = f"runs/studies/lm_{study}"
+    return [
+        "experiments.finetune",
+        study,
+        "--workdir",
+        workdir,
+        "--pretrained",
+        FINETUNE_PRETRAINED,
+        "--seeds",
+        "4",
+    ]
+
+
+def finetune_study(study: str) -> tuple[list[str], dict, str]:
+    """Runs one of experiments/finetune.py's studies (finished runs are read back, not retrained);
+    returns its command, its results.json and its plot copied into docs/images."""
+    command = finetune_command(study)
+    run(command)
+    record = json.loads((ROOT / command[3] / "results.json").read_text())
+    return command, record, copy_image(ROOT / command[3] / f"{study}.png", f"study_lm_{study}.png")
+
+
+def ci(stats: dict, digits: int = 3, signed: bool = False) -> str:
+    """'mean [low, high]' of a mean_interval record."""
+    form = f"+.{digits}f" if signed else f".{digits}f"
+    return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"
+
+
+def excludes_zero(stats: dict) -> bool:
+    return not stats["low"] <= 0.0 <= stats["high"]
+
+
+def lm_lora_finetune() -> str:
+    from qkv_jax.training.stats import paired_difference
+
+    command, record, image = finetune_study("lora_finetune")
+    rows = {r["arm"]: r for r in record["rows"]}
+    before, full = record["rows"][0], rows["full"]
+    gain = before["val_bits_per_char"]["mean"] - full["val_bits_per_char"]["mean"]
+    lora = [r for r in record["rows"] if r["rank"]]
+    best = min(lora, key=lambda r: r["val_bits_per_char"]["mean"])
+
+    def recovered(row: dict) -> float:
+        return 100 * (before["val_bits_per_char"]["mean"] - row["val_bits_per_char"]["mean"]) / gain
+
+    matching = [r for r in lora if not excludes_zero(r["val_bits_per_char"]["paired"])]
+    equal_budget = [
+        (rows[f"lora_qkvo_r{rank}"], rows[f"lora_qv_r{2 * rank}"])
+        for rank in (1, 2, 4, 8)
+        if f"lora_qv_r{2 * rank}" in rows
+    ]
+    comparisons = [
+        (
+            four,
+            two,
+            paired_difference(four["val_bits_per_char"]["values"], two["val_bits_per_char"]["values"]),
+        )
+        for four, two in equal_budget
+    ]
+    four_better = [c for c in comparisons if c[2]["significant"] and c[2]["mean"] < 0]
+    rank_trend = {
+        short: paired_difference(
+            rows[f"lora_{short}_r16"]["val_bits_per_char"]["values"],
+            rows[f"lora_{short}_r1"]["val_bits_per_char"]["values"],
+        )
+        for short in ("qv", "qkvo")
+    }
+    answer = (
+        f"Before fine-tuning, the stdlib-trained model scores {ci(before['val_bits_per_char'])} bits/char on "
+        f"the held-out docstrings; full fine-tuning ({full['trainable_params']:,} parameters) brings it to "
+        f"{ci(full['val_bits_per_char'])}. The best LoRA arm, {best['arm']} "
+        f"({best['trainable_params']:,} trainable parameters, "
+        f"{fmt(100 * best['trainable_params'] / full['trainable_params'], 2)}% of the model), reaches "
+        f"{ci(best['val_bits_per_char'])}: {fmt(recovered(best), 3)}% of full fine-tuning's gain. "
+        + (
+            "Every LoRA arm stays significantly behind full fine-tuning (paired intervals above 0). "
+            if not matching
+            else "LoRA matches full fine-tuning within its interval in: "
+            + ", ".join(r["arm"] for r in matching)
+            + ". "
+        )
+        + "From rank 1 to 16, "
+        + "; ".join(
+            f"{short} changes by {ci(d, signed=True)} bits/char"
+            + (" (significant)" if d["significant"] else "")
+            for short, d in rank_trend.items()
+        )
+        + ". At equal trainable parameters (all four at rank r against W_Q, W_V at rank 2r), adapting all "
+        + (
+            f"four is significantly better in {len(four_better)} of {len(comparisons)} pairs "
+            + "("
+            + "; ".join(f"r={four['rank']}: {ci(d, signed=True)}" for four, _, d in comparisons)
+            + "). "
+            if comparisons
+            else "four was not compared. "
+        )
+        + "So on this shift (code to English prose) most of full fine-tuning's gain is outside what the "
+        "adapters reach: W_Q, W_K, W_V, W_O at rank 16 recover "
+        f"{fmt(recovered(rows['lora_qkvo_r16']), 3)}% of it"
+        + (
+            f", and adding the MLP to the adapters {fmt(recovered(rows['lora_qkvo_mlp_r16']), 3)}%; the "
+            "embeddings, the LayerNorms and the output head, which only full fine-tuning moves, carry the "
+            "rest."
+            if "lora_qkvo_mlp_r16" in rows
+            else "."
+        )
+    )
+    return "\n".join(
+        [
+            "## Fine-tuning the learned projections: LoRA against full fine-tuning",
+            "",
+            '**Question.** Seed 001: "the learnable objects are W_Q, W_K, W_V, W_O per head: that is what a '
+            'fine-tune or a LoRA adapter actually modifies". How much of a full fine-tune does a low-rank '
+            "adapter on those projections buy, per trainable parameter?",
+            "",
+            "**Design.** The char LM of `configs/char_lm.py:study` (2 layers, d_model 128, 8 heads, 300 "
+            "AdamW steps on the standard library's code), pre-trained once per seed "
+            f"({len(record['seeds'])} seeds, in `{FINETUNE_PRETRAINED}`), is fine-tuned for "
+            f"{record['steps']} steps onto a different text: "
+            "the standard library's docstrings (English prose about code), validated on the docstrings of "
+            "the files the pre-training held out, so the validation text is new to every model. Each "
+            "fine-tune starts from its seed's run with `--config.train.init_from` (its tokenizer too) and "
+            "the pre-training's recipe; the arms differ only in what trains: everything (full), or LoRA "
+            "adapters (`--config.model.lora_rank`, `lora_targets`, alpha 16) of rank 1 to 16 on W_Q, W_V; on "
+            "W_Q, W_K, W_V, W_O; and at ranks 1, 4, 16 on those and the MLP, the rest frozen (optax "
+            "`multi_transform` with `set_to_zero`). Intervals are t-based 95% intervals over seeds; "
+            "differences from full fine-tuning are paired per seed.",
+            "",
+            f"**Command** (shared pre-training, then 15 arms x 4 seeds): `{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![validation bits/char against trainable parameters]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
+def lm_kv_conversion() -> str:
+    command, record, image = finetune_study("kv_conversion")
+    rows = {r["arm"]: r for r in record["rows"]}
+    steps, lengths = record["steps"], record["uptrain_steps"]
+    mha = rows["mha"]["val_bits_per_char"]["mean"]
+    sentences = []
+    for name, label in (("gqa2", "GQA-2"), ("mqa", "MQA")):
+        converted = rows[f"{name}_converted"]["val_bits_per_char"]
+        parts = [
+            f"{label}: converting costs {ci(converted['paired'], signed=True)} bits/char before any training"
+        ]
+        for uptrain in lengths:
+            up = rows[f"{name}_uptrained_{uptrain}"]["val_bits_per_char"]
+            share = 100 * (converted["mean"] - up["mean"]) / max(converted["mean"] - mha, 1e-9)
+            verdict = (
+                "worse than"
+                if up["paired"]["significant"] and up["paired"]["mean"] > 0
+                else "better than"
+                if up["paired"]["significant"]
+                else "indistinguishable from"
+            )
+            parts.append(
+                f"after {uptrain} uptraining steps ({fmt(100 * uptrain / steps, 2)}%) it has recovered "
+                f"{fmt(share, 3)}% of that and is {verdict} {label} trained from scratch for "
+                f"{steps + uptrain} steps ({ci(up['paired'], signed=True)})"
+            )
+        sentences.append("; ".join(parts) + ".")
+    controls = {u: rows[f"mha_continued_{u}"]["val_bits_per_char"]["paired"] for u in lengths}
+    rewarm_costs = [u for u, d in controls.items() if d["significant"] and d["mean"] > 0]
+    answer = (
+        " ".join(sentences)
+        + " The control, MHA itself continued with the same recipe, changes by "
+        + " and ".join(f"{ci(d, signed=True)} bits/char after {u} steps" for u, d in controls.items())
+        + (
+            f": re-warming the learning rate of a converged run costs quality at first ({rewarm_costs[0]} "
+            "steps), which the uptrained models pay too. "
+            if rewarm_costs
+            else ". "
+        )
+        + (
+            "So at this scale mean-pooled conversion plus a few percent of uptraining does not reach a model "
+            "trained with grouped K/V heads from the start. Ainslie et al. uptrain large models, where 5% of "
+            "the steps is many thousands of updates; here it is a handful, which is a likely reason the "
+            "recipe does not carry over."
+            if all(
+                rows[f"{n}_uptrained_{lengths[0]}"]["val_bits_per_char"]["paired"]["mean"] > 0
+                for n in ("gqa2", "mqa")
+            )
+            else "So conversion plus uptraining is a competitive route to a GQA/MQA model here."
+        )
+    )
+    return "\n".join(
+        [
+            "## MHA -> GQA/MQA: converting a trained model's K/V heads, then uptraining",
+            "",
+            '**Question.** Seed 001 calls MQA/GQA/MLA "a decision about the shape of the K/V projections '
+            'made at design/training time, then paid back at inference". Can the decision be made after '
+            "training? Ainslie et al. (2023) convert a multi-head checkpoint by mean-pooling each group's "
+            "key and value heads and uptrain it for a few percent of the original steps.",
+            "",
+            f"**Design.** Each seed's pre-trained MHA char LM (8 heads, {steps} steps, "
+            f"`{FINETUNE_PRETRAINED}`) is converted on load to 2 K/V heads (GQA-2) and to 1 (MQA) "
+            "(`--config.train.init_from=... --config.train.convert_kv_heads=True "
+            "--config.model.num_kv_heads=2`: `qkv_jax.finetune.convert_kv_heads`), evaluated before any "
+            "training (the run's untrained evaluation), and uptrained for "
+            f"{' and '.join(str(u) for u in lengths)} steps "
+            f"({' and '.join(fmt(100 * u / steps, 2) + '%' for u in lengths)}) with the pre-training's "
+            "recipe (AdamW, peak 3e-3, warmup a fifth of the steps, cosine). Against: the same GQA/MQA model "
+            "trained from scratch for the same total number of steps (the same training compute, up to "
+            "the K/V projections' share, which makes a GQA step slightly cheaper than an MHA step), and "
+            "MHA continued for the same steps. "
+            f"{len(record['seeds'])} seeds; differences are paired per seed.",
+            "",
+            f"**Command:** `{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![conversion, uptraining and training from scratch]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
+def lm_head_ablation() -> str:
+    command, record, image = finetune_study("head_ablation")
+    seeds = len(record["seeds"])
+    shares = record["layer_share"]
+    costs = [cost for seed in record["ablation_per_seed"] for layer in seed for cost in layer]
+    mean_cost = sum(costs) / len(costs)
+    findings = []
+    for row in record["rows"]:
+        direction = 1 if row["special"] == "high" else -1
+        overall, within = row["rho_all_heads"], row["rho_within_layer"]
+        special_matter = excludes_zero(overall) and direction * overall["mean"] > 0
+        findings.append(
+            f"{row['diagnostic']} (special = {row['special']}): rho {ci(overall, 2, signed=True)} over all "
+            f"heads, {ci(within, 2, signed=True)} within a layer, and its most special head is the costliest "
+            f"in {sum(row['most_special_is_costliest'])} of {seeds} seeds"
+            + (" - the special heads matter more" if special_matter else "")
+        )
+    predictive = [
+        row["diagnostic"]
+        for row in record["rows"]
+        if excludes_zero(row["rho_within_layer"])
+        and (1 if row["special"] == "high" else -1) * row["rho_within_layer"]["mean"] > 0
+    ]
+    singled_out = max(sum(row["most_special_is_costliest"]) for row in record["rows"])
+    costliest = max(range(len(shares)), key=lambda layer: shares[layer])
+
+    def most_special_layer(row: dict) -> int:  # the layer whose heads are most special on average
+        layers = list(zip(*row["values_per_seed"], strict=True))  # [layer][seed][head]
+        means = [sum(map(sum, layer)) / sum(map(len, layer)) for layer in layers]
+        pick = max if row["special"] == "high" else min
+        return pick(range(len(means)), key=lambda layer: means[layer])
+
+    layer_of = {row["diagnostic"]: most_special_layer(row) for row in record["rows"]}
+    along = [name for name, layer in layer_of.items() if layer == costliest]
+    against = [name for name, layer in layer_of.items() if layer != costliest]
+    answer = (
+        f"Zeroing a head costs on average {fmt(mean_cost, 2)} bits/char; "
+        + ", ".join(
+            f"layer {i} carries {fmt(100 * share, 3)}% of the total cost" for i, share in enumerate(shares)
+        )
+        + ". Rank correlations (Spearman) between a head's cost and its diagnostics: "
+        + "; ".join(findings)
+        + ". "
+        + (
+            f"Within a layer, only {', '.join(predictive)} predicts which heads matter beyond seed noise"
+            if predictive
+            else "Within a layer no diagnostic predicts which heads matter beyond seed noise"
+        )
+        + f", so most of what the all-heads correlations show is the difference between the layers: layer "
+        f"{costliest}, whose heads cost the most, is also the layer whose heads are the most special on "
+        f"average by {', '.join(along) or 'no diagnostic'}"
+        + (f" (by {', '.join(against)} it is the other layer)" if against else "")
+        + ". "
+        f"The head a diagnostic singles out is the costliest head in at most {singled_out} of {seeds} seeds. "
+        + (
+            "So the heads the diagnostics call special matter more only in the sense that they sit in the "
+            "layer that matters; head by head, seed 001's caution holds: the attention pattern is a weak "
+            "guide to what a head is worth."
+            if len(predictive) <= 1 and singled_out <= seeds // 2
+            else "So here the diagnostics do pick out the heads that matter."
+        )
+    )
+    return "\n".join(
+        [
+            "## Head ablation: do the heads the diagnostics call special matter most?",
+            "",
+            '**Question.** Seed 001: "don\'t over-interpret individual heads". qkv_jax reports per-head '
+            "diagnostics (attention entropy, weight on the previous token, induction score). Does a head "
+            "that looks special by them matter more to the model's predictions?",
+            "",
+            f"**Design.** Each seed's pre-trained char LM ({seeds} seeds, `{FINETUNE_PRETRAINED}`) measures, "
+            f"in its final evaluation, every head's ablation cost (`eval_head_ablation`): validation "
+            f"bits/char on {record['examples']} windows of 128 characters with the head's output zeroed "
+            "before W_O (`head_mask`; zero ablation: the head's contribution removed, W_O's bias kept), "
+            "minus the bits/char with every head. The diagnostics come from the same evaluation. Per seed, "
+            "Spearman's rho over the 16 heads and within each layer (averaged over the two layers); "
+            "'special' is low entropy (focused), a high previous-token weight, a high induction score.",
+            "",
+            f"**Command:** `{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![ablation cost per head, and against the diagnostics]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
 STUDIES: dict[str, Callable[[], str]] = {
     "flag_learned_vs_static": flag_learned_vs_static,
     "two_flag_heads": two_flag_heads,
@@ -644,6 +961,9 @@ STUDIES: dict[str, Callable[[], str]] = {
     "lm_causal_mask": lm_causal_mask,
     "lm_kv_heads": lm_kv_heads,
     "induction_heads": induction_heads,
+    "lm_lora_finetune": lm_lora_finetune,
+    "lm_kv_conversion": lm_kv_conversion,
+    "lm_head_ablation": lm_head_ablation,
 }
 
 HEADER = """# Experiments

@@ -34,6 +34,10 @@ def describe(summary: dict, workdir: str) -> str:
         f"(compile {timings.get('compile_s', 0):.1f} s, training loop "
         f"{timings.get('train_loop_s', 0):.2f} s); resumed from step {summary['resumed_from_step']}",
     ]
+    if summary.get("trainable_params", summary.get("params")) != summary.get("params"):
+        lines.append(
+            f"parameters: {summary['params']:,}, of which trainable: {summary['trainable_params']:,}"
+        )
     records = read_metrics(f"{workdir}/metrics.jsonl")
     if records:
         shown = records[:: max(1, len(records) // 5)][:5]

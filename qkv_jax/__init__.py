@@ -8,16 +8,18 @@ Pure functions:  dot_product_attention (select_implementation picks its path),
                  chunked_attention, causal_mask, padding_mask, combine_masks
 Flax modules:    StaticAttention, SelfAttentionV1, SelfAttention,
                  LearnedQueryAttention, MultiHeadAttention, FlagReader
-Language model:  TransformerBlock, TransformerLM, generate, init_cache
+Language model:  TransformerConfig, TransformerBlock, TransformerLM, generate, init_cache
 Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
 Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
                  weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.tasks
                  (synthetic tasks), qkv_jax.text (character corpus), qkv_jax.plots
-                 (matplotlib figures; imported on use), qkv_jax.training (the
-                 training loop, sweeps and checkpoints behind experiments/)
+                 (matplotlib figures; imported on use), qkv_jax.lora (LoRA
+                 adapters, merge_lora), qkv_jax.finetune (K/V head conversion,
+                 head ablation masks), qkv_jax.training (the training loop,
+                 sweeps and checkpoints behind experiments/)
 """
 
-from qkv_jax import checks, diagnostics, interop, lm, tasks, text
+from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, tasks, text
 from qkv_jax.attention import (
     causal_mask,
     combine_masks,
@@ -27,7 +29,7 @@ from qkv_jax.attention import (
 )
 from qkv_jax.chunked import chunked_attention
 from qkv_jax.diagnostics import collect_attention_weights, head_diagnostics, induction_scores
-from qkv_jax.lm import TransformerBlock, TransformerLM, generate, init_cache
+from qkv_jax.lm import TransformerBlock, TransformerConfig, TransformerLM, generate, init_cache
 from qkv_jax.models import FlagReader
 from qkv_jax.modules import (
     LearnedQueryAttention,
@@ -52,6 +54,7 @@ __all__ = [
     "LearnedQueryAttention",
     "MultiHeadAttention",
     "FlagReader",
+    "TransformerConfig",
     "TransformerBlock",
     "TransformerLM",
     "generate",
@@ -61,8 +64,10 @@ __all__ = [
     "induction_scores",
     "checks",
     "diagnostics",
+    "finetune",
     "interop",
     "lm",
+    "lora",
     "tasks",
     "text",
 ]

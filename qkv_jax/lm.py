@@ -27,12 +27,20 @@ import numpy as np
 from jax import lax
 
 from qkv_jax.attention import PrecisionLike
-from qkv_jax.modules import MultiHeadAttention, _check_positive, decode_positions
+from qkv_jax.lora import LoRADenseGeneral
+from qkv_jax.modules import (
+    ATTENTION_LORA_TARGETS,
+    MultiHeadAttention,
+    _check_lora,
+    _check_positive,
+    decode_positions,
+)
 
 Array = jax.Array
 Dtype = Any
 
 __all__ = [
+    "LORA_TARGETS",
     "TransformerConfig",
     "TransformerBlock",
     "TransformerLM",
@@ -45,6 +53,8 @@ __all__ = [
 ]
 
 embedding_init = nn.initializers.normal(stddev=0.02)
+# Where a TransformerLM's LoRA adapters can go: the attention projections, and "mlp" (mlp_in and mlp_out).
+LORA_TARGETS = (*ATTENTION_LORA_TARGETS, "mlp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +86,10 @@ class TransformerConfig:
         "highest" full float32.
       absorb_latent: MLA decoding attends over the cached latents with the
         up-projections folded into the query and W_O (see `MultiHeadAttention`).
+      lora_rank, lora_alpha, lora_targets: LoRA adapters of rank lora_rank (0 =
+        none), scaled by lora_alpha / lora_rank, beside the kernels of the
+        projections named in lora_targets (of `LORA_TARGETS`; "mlp" is mlp_in
+        and mlp_out); every kernel keeps its place (`qkv_jax.lora`).
     """
 
     vocab_size: int
@@ -95,8 +109,14 @@ class TransformerConfig:
     param_dtype: Dtype = jnp.float32
     precision: PrecisionLike = None
     absorb_latent: bool = True
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("query", "value")
 
     def __post_init__(self):
+        _check_lora("TransformerConfig", self.lora_rank, self.lora_alpha, self.lora_targets, LORA_TARGETS)
+        if self.lora_rank and "kv_latent" in self.lora_targets and self.kv_latent_dim is None:
+            raise ValueError("TransformerConfig: lora_targets has 'kv_latent' but kv_latent_dim is None")
         _check_positive(
             "TransformerConfig",
             vocab_size=self.vocab_size,
@@ -130,19 +150,28 @@ class TransformerBlock(nn.Module):
 
     x + Dropout(MHA(LN(x))), then x + Dropout(MLP(LN(x))), the MLP a GELU of
     width `config.mlp_dim` (default 4 d_model); every option comes from
-    `config` (`TransformerConfig`).
+    `config` (`TransformerConfig`). `head_mask` `[N]`: the attention's (see
+    `MultiHeadAttention`).
     """
 
     config: TransformerConfig
 
+    def _mlp_dense(self, features: int, name: str) -> nn.Module:
+        """An MLP projection: `nn.Dense`, or with "mlp" in `lora_targets` its LoRA form
+        (the same `kernel` `[in, out]` and `bias`)."""
+        config = self.config
+        options = dict(
+            dtype=config.dtype, param_dtype=config.param_dtype, precision=config.precision, name=name
+        )
+        if config.lora_rank and "mlp" in config.lora_targets:
+            return LoRADenseGeneral(features, rank=config.lora_rank, alpha=config.lora_alpha, **options)
+        return nn.Dense(features, **options)
+
     @nn.compact
-    def __call__(self, x, deterministic: bool = True, decode: bool = False):
+    def __call__(self, x, deterministic: bool = True, decode: bool = False, head_mask=None):
         config = self.config
         width = x.shape[-1]
         norm = functools.partial(nn.LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
-        dense = functools.partial(
-            nn.Dense, dtype=config.dtype, param_dtype=config.param_dtype, precision=config.precision
-        )
         h = norm(name="attention_norm")(x)
         h = MultiHeadAttention(
             num_heads=config.num_heads,
@@ -154,14 +183,17 @@ class TransformerBlock(nn.Module):
             attention_implementation=config.attention_implementation,
             precision=config.precision,
             absorb_latent=config.absorb_latent,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_targets=tuple(t for t in config.lora_targets if t != "mlp"),
             dtype=config.dtype,
             param_dtype=config.param_dtype,
             name="attention",
-        )(h, deterministic=deterministic, decode=decode)  # (..., T, D)
+        )(h, deterministic=deterministic, decode=decode, head_mask=head_mask)  # (..., T, D)
         x = x + nn.Dropout(config.dropout_rate)(h, deterministic)
         h = norm(name="mlp_norm")(x)
-        h = nn.gelu(dense(config.mlp_dim or 4 * width, name="mlp_in")(h))  # (..., T, mlp_dim)
-        h = dense(width, name="mlp_out")(h)  # (..., T, D)
+        h = nn.gelu(self._mlp_dense(config.mlp_dim or 4 * width, "mlp_in")(h))  # (..., T, mlp_dim)
+        h = self._mlp_dense(width, "mlp_out")(h)  # (..., T, D)
         return x + nn.Dropout(config.dropout_rate)(h, deterministic)
 
 
@@ -172,8 +204,10 @@ class TransformerLM(nn.Module):
     `num_layers` `TransformerBlock`s, a final LayerNorm and a bias-free head;
     every option is a field of `config` (`TransformerConfig`).
 
-    `__call__(tokens, deterministic=True, decode=False)`; with `decode` the
-    positions continue from the cache (`init_cache`, `generate`).
+    `__call__(tokens, deterministic=True, decode=False, head_mask=None)`; with
+    `decode` the positions continue from the cache (`init_cache`, `generate`);
+    `head_mask` `[num_layers, num_heads]` multiplies each head's attention
+    output before W_O (0 ablates it; `qkv_jax.finetune.head_ablation_masks`).
     """
 
     config: TransformerConfig
@@ -183,7 +217,7 @@ class TransformerLM(nn.Module):
         return self.clone(config=self.config.replace(**changes))
 
     @nn.compact
-    def __call__(self, tokens, deterministic: bool = True, decode: bool = False):
+    def __call__(self, tokens, deterministic: bool = True, decode: bool = False, head_mask=None):
         config = self.config
         if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim < 1:
             raise ValueError(
@@ -211,8 +245,13 @@ class TransformerLM(nn.Module):
             position_embedding = position_table[:length]  # (T, D)
         x = token_embedding(tokens) + position_embedding  # (..., T, D)
         x = nn.Dropout(config.dropout_rate)(x, deterministic)
+        if head_mask is not None:
+            chex.assert_shape(head_mask, (config.num_layers, config.num_heads))
         for layer in range(config.num_layers):
-            x = TransformerBlock(config, name=f"block_{layer}")(x, deterministic, decode)  # (..., T, D)
+            layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
+            x = TransformerBlock(config, name=f"block_{layer}")(
+                x, deterministic, decode, layer_mask
+            )  # (..., T, D)
         x = nn.LayerNorm(dtype=config.dtype, param_dtype=config.param_dtype, name="final_norm")(x)
         logits = nn.Dense(
             config.vocab_size,

@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import checkify
 
 from qkv_jax.attention import PrecisionLike, combine_masks, dot_product_attention
+from qkv_jax.lora import LoRADenseGeneral, effective_kernel
 
 Array = jax.Array
 Dtype = Any
@@ -38,9 +39,13 @@ __all__ = [
     "SelfAttention",
     "LearnedQueryAttention",
     "MultiHeadAttention",
+    "ATTENTION_LORA_TARGETS",
     "decode_positions",
     "torch_linear_init",
 ]
+
+# MultiHeadAttention's projections a LoRA adapter can sit beside (kv_latent: MLA's down-projection).
+ATTENTION_LORA_TARGETS = ("query", "key", "value", "out", "kv_latent")
 
 # torch.nn.Linear's default: uniform in +-1/sqrt(fan_in). The seeds' modules are
 # written in PyTorch, so their learned projections start from this.
@@ -63,6 +68,15 @@ def _check_positive(owner: str, **sizes: Any) -> None:
 def _check_dropout(owner: str, rate: float) -> None:
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"{owner}: dropout_rate must be in [0, 1), got {rate!r}")
+
+
+def _check_lora(owner: str, rank: Any, alpha: Any, targets: Any, allowed: tuple[str, ...]) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{owner}: lora_rank must be an int >= 0, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"{owner}: lora_alpha must be a number > 0, got {alpha!r}")
+    if isinstance(targets, str) or any(t not in allowed for t in targets):
+        raise ValueError(f"{owner}: lora_targets must be a tuple of {allowed}, got {targets!r}")
 
 
 def _check_inputs(owner: str, name: str, x: Array, min_rank: int = 2) -> None:
@@ -349,11 +363,18 @@ class MultiHeadAttention(nn.Module):
         latents with the key up-projection folded into the query and the value
         up-projection into W_O ("weight absorption"), never building K and V;
         False rebuilds K and V from the latents at every step (the same outputs).
+      lora_rank: r > 0 puts a LoRA adapter (`qkv_jax.lora.LoRADenseGeneral`:
+        parameters `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside the
+        kernel, which keeps its place) on each projection named in
+        `lora_targets` (of `ATTENTION_LORA_TARGETS`); 0 = none.
+      lora_alpha: the adapters' update is scaled by lora_alpha / lora_rank.
 
-    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False)`:
-    `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]` (defaults to
-    `inputs_q`), `mask` boolean broadcastable to `[batch..., N, T, S]`;
-    returns `[batch..., T, D_out]`.
+    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False,
+    head_mask=None)`: `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]`
+    (defaults to `inputs_q`), `mask` boolean broadcastable to `[batch..., N, T, S]`;
+    returns `[batch..., T, D_out]`. `head_mask` `[batch..., N]` multiplies each
+    head's attention output before W_O (0 ablates a head; the parameters are
+    the same with or without it).
 
     Decoding (`decode=True`: causal self-attention) keeps a KV cache in the
     'cache' collection: `cached_key` `[batch..., L, K, H]` and `cached_value`
@@ -380,12 +401,20 @@ class MultiHeadAttention(nn.Module):
     attention_implementation: str | None = None
     precision: PrecisionLike = None
     absorb_latent: bool = True
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("query", "value")
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros_init()
 
     def __post_init__(self):
+        _check_lora(
+            "MultiHeadAttention", self.lora_rank, self.lora_alpha, self.lora_targets, ATTENTION_LORA_TARGETS
+        )
+        if self.lora_rank and "kv_latent" in self.lora_targets and self.kv_latent_dim is None:
+            raise ValueError("MultiHeadAttention: lora_targets has 'kv_latent' but kv_latent_dim is None")
         _check_positive(
             "MultiHeadAttention",
             num_heads=self.num_heads,
@@ -414,8 +443,8 @@ class MultiHeadAttention(nn.Module):
         return features // self.num_heads
 
     def _projection(self, features: Any, name: str, axis: Any = -1) -> nn.DenseGeneral:
-        return nn.DenseGeneral(
-            features,
+        """The DenseGeneral projection `name`, with a LoRA adapter when `name` is a target."""
+        options = dict(
             axis=axis,
             use_bias=self.use_bias,
             kernel_init=self.kernel_init,
@@ -425,6 +454,9 @@ class MultiHeadAttention(nn.Module):
             precision=self.precision,
             name=name,
         )
+        if self.lora_rank and name in self.lora_targets:
+            return LoRADenseGeneral(features, rank=self.lora_rank, alpha=self.lora_alpha, **options)
+        return nn.DenseGeneral(features, **options)
 
     def _check_decode(self, inputs_kv: Array | None) -> None:
         if inputs_kv is not None:
@@ -525,14 +557,18 @@ class MultiHeadAttention(nn.Module):
         instead of every cached position, where it meets W_O.
         Both projections are applied per query token, which costs fewer
         operations than folding them into W_Q and W_O ahead of time when C is
-        larger than the head depth.
+        larger than the head depth. With LoRA adapters on them, W_K and W_V are
+        the effective kernels (kernel + (alpha / r) A B). Returns the heads'
+        outputs `[..., T, N, Hv]`, before W_O.
         """
         key_params, value_params = (
             projections["key"].variables["params"],
             projections["value"].variables["params"],
         )
         W_key, W_value = nn.dtypes.promote_dtype(
-            key_params["kernel"], value_params["kernel"], dtype=self.dtype
+            effective_kernel(key_params, self.lora_alpha),
+            effective_kernel(value_params, self.lora_alpha),
+            dtype=self.dtype,
         )
         num_kv_heads, group = W_key.shape[1], self.num_heads // W_key.shape[1]  # (C, K, H), (C, K, Hv)
         grouped = query.reshape(*query.shape[:-2], num_kv_heads, group, query.shape[-1])  # (..., T, K, G, H)
@@ -556,10 +592,10 @@ class MultiHeadAttention(nn.Module):
                     jnp.swapaxes(has_key, -1, -2)[..., None], value_bias, 0
                 )  # (..., T, N, Hv)
             output = output + value_bias
-        return projections["out"](output)  # (..., T, D_out)
+        return output  # (..., T, N, Hv)
 
     @nn.compact
-    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False):
+    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False, head_mask=None):
         if decode:
             self._check_decode(inputs_kv)
         inputs_kv = inputs_q if inputs_kv is None else inputs_kv
@@ -581,8 +617,10 @@ class MultiHeadAttention(nn.Module):
         query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
         key, value, mask, fits = self._keys_and_values(inputs_kv, mask, decode, projections)
         if key is None:  # MLA decoding: attend over the cached latents directly
-            output = self._absorbed(query, value, mask, fits, deterministic, projections)  # (..., T, D_out)
+            output = self._absorbed(query, value, mask, fits, deterministic, projections)  # (..., T, N, Hv)
         else:
             output = self._attend(query, key, value, mask, fits, deterministic, self.scale)  # (..., T, N, Hv)
-            output = projections["out"](output)  # (..., T, D_out)
+        if head_mask is not None:  # (batch..., N): one factor per head
+            output = output * jnp.asarray(head_mask, output.dtype)[..., None, :, None]  # (..., T, N, Hv)
+        output = projections["out"](output)  # (..., T, D_out)
         return output if fits is None else jnp.where(fits, output, jnp.nan)

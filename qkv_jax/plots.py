@@ -16,6 +16,7 @@ __all__ = [
     "plot_sweep_heatmap",
     "plot_loss_curves",
     "plot_attention_maps",
+    "plot_head_ablation",
 ]
 
 
@@ -170,5 +171,24 @@ def plot_attention_maps(maps: dict, query_labels, key_labels, path, title: str =
             ax.set_title(f"{layer} head {head}", fontsize=7)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_head_ablation(increase, path, title: str = "", unit: str = "bits/char") -> pathlib.Path:
+    """Each head's ablation cost `[layers, heads]` (the loss increase when its output is
+    zeroed) as a grid centred on 0: red = the model is worse without the head."""
+    increase = np.asarray(increase, dtype=float).reshape(-1, np.shape(increase)[-1])  # (L, N)
+    layers, heads = increase.shape
+    limit = max(float(np.abs(increase).max()), 1e-9)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.8 + 0.75 * heads), 1.6 + 0.6 * layers))
+    image = ax.imshow(increase, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    for (layer, head), value in np.ndenumerate(increase):
+        ax.text(head, layer, f"{value:+.3f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(heads))
+    ax.set_yticks(range(layers))
+    ax.set(xlabel="head", ylabel="layer")
+    ax.set_title(title or "loss increase with the head zeroed", fontsize=9)
+    fig.colorbar(image, ax=ax, label=f"+{unit}")
     fig.tight_layout()
     return _save(fig, path)

@@ -9,6 +9,12 @@ AREAS = (
     "Modules",
     "Training",
     "Checkpoints",
+    "Preemption",
+    "Concurrency",
+    "Memory",
+    "Disk",
+    "Finished runs",
+    "Sweeps",
     "Determinism",
     "Decoding",
 )

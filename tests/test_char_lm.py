@@ -200,7 +200,12 @@ def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
     cell = json.loads(
         (tmp_path / "sweep" / "cells" / "model.num_kv_heads=1,model.kv_latent_dim=None.json").read_text()
     )
-    assert cell["seeds"] == [0, 1] and mqa["val_bits_per_char"] == cell["eval_val_bits_per_char_stats"]
+    assert cell["seeds"] == [0, 1] and mqa["val_bits_per_char_per_seed"] == cell["eval_val_bits_per_char"]
+    assert mqa["val_bits_per_char"]["mean"] == pytest.approx(cell["eval_val_bits_per_char_stats"]["mean"])
+    assert (
+        mqa["val_bits_per_char"]["low"] < mqa["val_bits_per_char"]["mean"] < mqa["val_bits_per_char"]["high"]
+    )
+    assert mqa["difference_from_mha"] is None  # no MHA cell to pair with
     assert all(
         r[f"decode_tokens_per_s_batch{b}"] > 0 for r in record["rows"] for b in lm_studies.DECODE_BATCHES
     )

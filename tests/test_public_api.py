@@ -18,6 +18,8 @@ PUBLIC_MODULES = [
     "qkv_jax.modules",
     "qkv_jax.models",
     "qkv_jax.lm",
+    "qkv_jax.lora",
+    "qkv_jax.finetune",
     "qkv_jax.diagnostics",
     "qkv_jax.checks",
     "qkv_jax.interop",

@@ -2,11 +2,15 @@
 
 import json
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+import pytest
 
 from qkv_jax.training import tensorboard
 from qkv_jax.training.workdir import MetricsWriter
+
+# A dependency of qkv_jax; missing only where packages are placed by hand (the GPU machine's image).
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader  # noqa: E402
 
 
 def read_events(path):

@@ -178,6 +178,6 @@ def test_default_run_meets_the_seed_claims(tmp_path):
 @pytest.mark.slow
 def test_static_baseline_stays_near_chance(tmp_path):
     summary = train_and_evaluate(flag_retrieval.get_config("static"), tmp_path)
-    assert summary["num_params"] == 0
+    assert summary["params"] == summary["trainable_params"] == 0
     assert summary["eval_accuracy"] == summary["untrained"]["eval_accuracy"]
     assert summary["eval_accuracy"] < 0.35  # chance is 1/seq_len = 0.2

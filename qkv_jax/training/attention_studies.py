@@ -25,14 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from qkv_jax.diagnostics import (
-    collect_attention_weights,
     head_diagnostics,
     induction_scores,
     repeated_sequence,
 )
+from qkv_jax.lm import TransformerLM
 from qkv_jax.training.stats import mean_interval
 from qkv_jax.training.sweep import apply_overrides, run_sweep
 from qkv_jax.training.task import Setup, build_setup
+from qkv_jax.training.transformer import layer_attention
+from qkv_jax.training.validate import ConfigError
 
 __all__ = ["THERMOSTAT_CELLS", "thermostat", "induction", "WRITERS"]
 
@@ -109,17 +111,16 @@ def induction_probe(setup: Setup) -> Any:
     """probe(params) -> every head's induction score and previous-token weight `[L, N]`, on
     fixed repeated random sequences of half the model's length (`qkv_jax.diagnostics`)."""
     model = setup.model
+    if not isinstance(model, TransformerLM):
+        raise ConfigError(f"the induction study needs a TransformerLM task, got {type(model).__name__}")
     config = model.config
     length = config.max_len // 2
     sequences = repeated_sequence(
         jax.random.PRNGKey(20260003), INDUCTION_SEQUENCES, length, config.vocab_size
     )
-    probe_model = model.replace(causal=True, sow_weights=True)
 
     def probe(params: Any) -> dict:
-        _, state = probe_model.apply({"params": params}, sequences, mutable=["intermediates"])
-        weights = collect_attention_weights(state["intermediates"])
-        layers = [weights[f"block_{layer}/attention"] for layer in range(config.num_layers)]  # (B, N, T, T)
+        layers = layer_attention(model, params, sequences)  # [(B, N, T, T) per block]
         return {
             "induction": jnp.stack([induction_scores(w, length) for w in layers]),  # (L, N)
             "previous_token": jnp.stack([head_diagnostics(w)["previous_token"] for w in layers]),  # (L, N)

@@ -8,9 +8,18 @@ Metrics (nats and bits per character):
                                      model was trained, seeing the characters it predicts;
   unigram_bits_per_char              the validation text under the training unigram distribution;
   head_* [layer, head]               `qkv_jax.diagnostics` of validation windows, and
-                                     head_induction on a repeated random sequence.
+                                     head_induction on a repeated random sequence;
+  head_ablation [layer, head]        validation bits/char with the head's output zeroed
+                                     (`head_mask`) minus without, on the first
+                                     `eval.ablation_examples` validation windows (0 = not
+                                     measured): one forward pass per head.
 The report writes `tokenizer.json` and `samples.txt` (generated from
 `eval.sample_prompt` before and after training) into the workdir.
+
+A run started from another (`train.init_from`) reads its text with the
+source's tokenizer.json, when the source has one, so that every character id
+means what it meant to the source's embeddings (characters new to it become
+id 0).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from qkv_jax import text
 from qkv_jax.diagnostics import (
@@ -32,10 +42,12 @@ from qkv_jax.diagnostics import (
     induction_scores,
     repeated_sequence,
 )
+from qkv_jax.finetune import head_ablation_masks
 from qkv_jax.lm import TransformerLM, sample_tokens
 from qkv_jax.training import validate
 from qkv_jax.training.checkpoints import load_train_state
-from qkv_jax.training.loop import TrainState, make_optimizer, validate_train_config
+from qkv_jax.training.init_from import source_tokenizer_path
+from qkv_jax.training.loop import TrainState, make_optimizer, only_adapters_train, validate_train_config
 from qkv_jax.training.task import AttentionView, Setup
 from qkv_jax.training.transformer import (
     cross_entropy,
@@ -76,6 +88,8 @@ def validate_config(config: Any) -> None:
     if data["validation_fraction"] == 0:
         raise ConfigError("data.validation_fraction=0: must be in (0, 1)")
     validate.require_positive_int(config, "data.max_vocab_size", "eval.num_samples", "eval.sample_length")
+    if "ablation_examples" in evaluation:
+        validate.require_nonnegative_int(config, "eval.ablation_examples")
     if data["max_vocab_size"] < 2:
         raise ConfigError(f"data.max_vocab_size={data['max_vocab_size']}: must be >= 2")
     if not isinstance(evaluation["sample_prompt"], str) or not evaluation["sample_prompt"]:
@@ -91,15 +105,19 @@ def validate_config(config: Any) -> None:
         )
 
 
-def load_corpus(data_config: dict) -> tuple[text.CharTokenizer, np.ndarray, np.ndarray]:
+def load_corpus(
+    data_config: dict, tokenizer: text.CharTokenizer | None = None
+) -> tuple[text.CharTokenizer, np.ndarray, np.ndarray]:
     """(tokenizer, training ids, validation ids) for `data.path` or the standard library.
 
-    The tokenizer keeps the `data.max_vocab_size - 1` most frequent training characters.
+    The tokenizer (unless given) keeps the `data.max_vocab_size - 1` most frequent
+    training characters.
     """
     path = data_config["path"]
     documents = text.read_documents(path) if path is not None else text.stdlib_documents()
     train, validation = text.split_documents(documents, data_config["validation_fraction"])
-    tokenizer = text.CharTokenizer.from_text(train, data_config["max_vocab_size"])
+    if tokenizer is None:
+        tokenizer = text.CharTokenizer.from_text(train, data_config["max_vocab_size"])
     return tokenizer, tokenizer.encode(train), tokenizer.encode(validation)
 
 
@@ -164,7 +182,24 @@ class CharLM:
         )
         metrics["unigram_bits_per_char"] = data["unigram_bits_per_char"]
         metrics.update(self.head_metrics(params, validation_batch["inputs"], sample_key))
+        if self.evaluation.get("ablation_examples", 0):
+            metrics["head_ablation"] = self.head_ablation(params, validation_batch)
         return metrics, {"samples": self.samples(params, sample_key)}
+
+    def head_ablation(self, params: Any, batch: dict) -> jax.Array:
+        """`[L, N]`: bits/char on the first `eval.ablation_examples` windows of `batch` (all of
+        them if it has fewer) with head (l, n)'s output zeroed, minus the bits/char with every
+        head (the causal model). One forward pass per head (`lax.map`: the memory of one)."""
+        size = min(self.evaluation["ablation_examples"], batch["inputs"].shape[0])
+        inputs, targets = batch["inputs"][:size], batch["targets"][:size]  # (size, T) each
+        layers, heads = self.model.config.num_layers, self.model.config.num_heads
+
+        def bits_per_char(head_mask: jax.Array) -> jax.Array:  # head_mask: (L, N)
+            logits = self.honest.apply({"params": params}, inputs, head_mask=head_mask)  # (size, T, V)
+            return cross_entropy(jnp.asarray(logits), targets) / NATS_PER_BIT
+
+        ablated = lax.map(bits_per_char, head_ablation_masks(layers, heads))  # (L * N,)
+        return ablated.reshape(layers, heads) - bits_per_char(jnp.ones((layers, heads)))
 
     def samples(self, params: Any, key: jax.Array) -> jax.Array:
         """`[num_samples, sample_length]` tokens generated after `eval.sample_prompt`."""
@@ -228,9 +263,16 @@ class CharLM:
         return {f"samples_{stage}": texts}
 
 
+def source_tokenizer(config: dict) -> text.CharTokenizer | None:
+    """The tokenizer.json of `train.init_from`'s run, if it is set and has one."""
+    source = config["train"].get("init_from")
+    path = source_tokenizer_path(source, TOKENIZER_FILE) if source else None
+    return None if path is None else text.CharTokenizer.load(path)
+
+
 def build(config: Any) -> Setup:
     validate_config(config)
-    tokenizer, train_ids, validation_ids = load_corpus(config["data"])
+    tokenizer, train_ids, validation_ids = load_corpus(config["data"], source_tokenizer(config))
     _check_corpus(config, train_ids, validation_ids)
     task = CharLM(
         model=make_model(config["model"], tokenizer.vocab_size),
@@ -263,10 +305,8 @@ def read_run(workdir: str | pathlib.Path) -> tuple[dict, text.CharTokenizer, Tra
 def restore_params(workdir: str | pathlib.Path, config: dict, model: TransformerLM) -> tuple[Any, int]:
     """(params, step) of the newest usable checkpoint in `workdir`/checkpoints, without
     reading the corpus. ValueError when there is none."""
-    template = TrainState.create(
-        apply_fn=model.apply,
-        params=init_params(model, config["task"]["seq_len"], jax.random.PRNGKey(0)),
-        tx=make_optimizer(config["train"]),
-    )
+    params = init_params(model, config["task"]["seq_len"], jax.random.PRNGKey(0))
+    tx = only_adapters_train(make_optimizer(config["train"]), params)
+    template = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     step, state = load_train_state(workdir, template)
     return state.params, step

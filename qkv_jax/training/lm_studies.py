@@ -99,7 +99,8 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
     the variants share start equal), KV-cache bytes per token and decode speed (for MLA
     with and without weight absorption)."""
     rows = run_sweep(base, pathlib.Path(workdir) / "sweep", cells, seeds, metric="eval_val_bits_per_char")
-    baseline = next(r for r in rows if _model(base, r["cell"]).config.num_kv_heads in (None, _heads(base)))
+    mha = [r for r in rows if _model(base, r["cell"]).config.num_kv_heads in (None, _heads(base))]
+    mha = [r for r in mha if not _model(base, r["cell"]).config.kv_latent_dim]
     results = []
     for row in rows:
         model = _model(base, row["cell"])
@@ -123,8 +124,10 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
                 "seeds": row["seeds"],
                 "val_bits_per_char_per_seed": row["eval_val_bits_per_char"],
                 "val_bits_per_char": mean_interval(row["eval_val_bits_per_char"]),
-                "difference_from_mha": paired_difference(
-                    row["eval_val_bits_per_char"], baseline["eval_val_bits_per_char"]
+                "difference_from_mha": (
+                    paired_difference(row["eval_val_bits_per_char"], mha[0]["eval_val_bits_per_char"])
+                    if mha
+                    else None
                 ),
                 "train_bits_per_char": mean_interval(row["eval_train_bits_per_char"]),
                 "kv_cache_bytes_per_token": kv_cache_bytes_per_token(model),
@@ -188,11 +191,16 @@ def _kv_heads_table(results: dict) -> list[str]:
     for r in results["rows"]:
         speed = " | ".join(_speed(r, b) for b in DECODE_BATCHES)
         quality, difference = r["val_bits_per_char"], r["difference_from_mha"]
+        versus = (
+            "- | -"
+            if difference is None
+            else f"{difference['mean']:+.4f} [{difference['low']:+.4f}, {difference['high']:+.4f}] "
+            f"| {difference['p']:.2g}"
+        )
         lines.append(
             f"| {r['arm']} | {r['num_kv_heads']} | {r['kv_latent_dim'] or '-'} | {r['num_params']} "
             f"| {quality['mean']:.4f} [{quality['low']:.4f}, {quality['high']:.4f}] "
-            f"| {difference['mean']:+.4f} [{difference['low']:+.4f}, {difference['high']:+.4f}] "
-            f"| {difference['p']:.2g} | {r['kv_cache_bytes_per_token']} | {speed} |"
+            f"| {versus} | {r['kv_cache_bytes_per_token']} | {speed} |"
         )
     return lines
 
@@ -255,8 +263,9 @@ def write_results(workdir: pathlib.Path, results: dict, command: str) -> dict:
     import matplotlib.pyplot as plt
 
     from qkv_jax.training.attention_studies import WRITERS
+    from qkv_jax.training.finetune_studies import WRITERS as FINETUNE_WRITERS
 
-    title, table, plot = {**_WRITERS, **WRITERS}[results["study"]]
+    title, table, plot = {**_WRITERS, **WRITERS, **FINETUNE_WRITERS}[results["study"]]
     record = {**results, "command": command, "table": table(results)}
     workdir = pathlib.Path(workdir)
     (workdir / "results.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -18,14 +18,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qkv_jax.lm import TransformerLM
 from qkv_jax.tasks.sequences import bracket_batch, copy_batch, repeat_batch
 from qkv_jax.training import validate
 from qkv_jax.training.loop import validate_train_config
-from qkv_jax.training.task import Setup
+from qkv_jax.training.task import AttentionView, Setup
 from qkv_jax.training.transformer import (
     init_params,
+    layer_attention,
     make_model,
     token_cross_entropy,
     training_logits,
@@ -134,6 +136,20 @@ class SequenceLM:
         logits = jnp.asarray(self.model.apply({"params": params}, batch["inputs"]))  # (B, L, V)
         return answer_metrics(logits, batch), {}
 
+    def inspect(self, params: Any, text: str | None) -> AttentionView:
+        """Every block's attention on one fresh sequence; `text` is its seed (default 0). The
+        positions whose next token is an answer are marked."""
+        batch = self.sample(jax.random.PRNGKey(int(text) if text else 0), 1)
+        weights = jax.jit(layer_attention, static_argnums=0)(self.model, params, batch["inputs"])
+        labels = [str(int(token)) for token in batch["inputs"][0]]
+        marks = [int(t) for t in np.flatnonzero(np.asarray(batch["answer_mask"][0]))]
+        return AttentionView({f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels, marks)
+
+    def report_inputs(self, data: Any, prompt: str | None) -> list[tuple[str, str]]:
+        """Four fresh sequences (seeds 0-3; a prompt has no meaning here)."""
+        del data, prompt
+        return [(f"sequence {seed}", str(seed)) for seed in range(4)]
+
 
 def build(config: Any) -> Setup:
     validate_config(config)
@@ -146,6 +162,4 @@ def build(config: Any) -> Setup:
         batch_size=config["train"]["batch_size"],
         num_eval_examples=config["eval"]["num_examples"],
     )
-    return Setup(
-        model=lm.model, init=lm.init, sample_batch=lm.sample_batch, loss=lm.loss, evaluate=lm.evaluate
-    )
+    return Setup.from_methods(lm, model=lm.model)

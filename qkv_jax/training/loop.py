@@ -10,12 +10,17 @@ loop around it is the same for all:
     resumed from a checkpoint replays exactly the batches it would have seen;
   * `train_chunks` calls the compiled chunks from a start step to the end and
     hands each chunk's losses to the caller: single runs (`run.py`) and
-    vmapped seeds (`seeds.py`) share it.
+    vmapped seeds (`seeds.py`) share it;
+  * parameters with LoRA adapters (`qkv_jax.lora`) train only the adapters:
+    `init_train_state` wraps the optimizer in `optax.multi_transform`, the
+    adapters labelled "adapter" and every other parameter "frozen"
+    (`optax.set_to_zero()`: its update is exactly 0, so it stays bit-identical).
 """
 
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +31,7 @@ import optax
 from flax.training.train_state import TrainState
 from jax import lax
 
+from qkv_jax.lora import adapter_labels, has_adapters
 from qkv_jax.training import validate
 from qkv_jax.training.sharding import to_host
 from qkv_jax.training.task import Setup
@@ -34,6 +40,7 @@ from qkv_jax.training.validate import ConfigError
 __all__ = [
     "TrainState",
     "make_optimizer",
+    "only_adapters_train",
     "init_train_state",
     "make_train_chunk",
     "chunk_length",
@@ -69,6 +76,19 @@ def validate_train_config(config: Any) -> None:
         validate.require_choice(config, "train.schedule", SCHEDULES)
     if "checkify" in train:
         validate.require_bool(config, "train.checkify")
+    _validate_init_from(config)
+
+
+def _validate_init_from(config: Any) -> None:
+    """train.init_from: unset or an existing directory; train.convert_kv_heads needs it."""
+    train = config["train"]
+    source = train.get("init_from")
+    if source is not None and (not isinstance(source, str) or not pathlib.Path(source).is_dir()):
+        raise ConfigError(f"train.init_from={source!r}: not a directory (a run's workdir or checkpoint)")
+    if "convert_kv_heads" in train:
+        validate.require_bool(config, "train.convert_kv_heads")
+        if train["convert_kv_heads"] and source is None:
+            raise ConfigError("train.convert_kv_heads=True: needs train.init_from (the run to convert)")
 
 
 def kept_checkpoints(train: dict) -> int | None:
@@ -107,8 +127,19 @@ def seed_keys(seed: int | jax.Array) -> dict[str, jax.Array]:
     return {name: jax.random.fold_in(root, i) for i, name in enumerate(("init", "data", "eval"))}
 
 
+def only_adapters_train(tx: optax.GradientTransformation, params: Any) -> optax.GradientTransformation:
+    """`tx` for the LoRA adapters of `params` and a zero update for every other parameter
+    (`optax.multi_transform` over `qkv_jax.lora.adapter_labels`); `tx` itself when
+    `params` has no adapters. Gradient clipping in `tx` sees the adapters' gradients only."""
+    if not has_adapters(params):
+        return tx
+    return optax.multi_transform({"adapter": tx, "frozen": optax.set_to_zero()}, adapter_labels)
+
+
 def init_train_state(setup: Setup, tx: optax.GradientTransformation, init_key: jax.Array) -> TrainState:
-    return TrainState.create(apply_fn=setup.model.apply, params=setup.init(init_key), tx=tx)
+    """Fresh parameters and optimizer state; with LoRA adapters only they train (`only_adapters_train`)."""
+    params = setup.init(init_key)
+    return TrainState.create(apply_fn=setup.model.apply, params=params, tx=only_adapters_train(tx, params))
 
 
 def make_train_chunk(

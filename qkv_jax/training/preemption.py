@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -47,7 +49,7 @@ class StopSignals:
 
     `reached` must be called once at every chunk boundary, with consecutive
     `boundary` numbers, on every process (with several processes it is a
-    collective of JAX's preemption service).
+    collective of JAX's preemption service); `save_or_stop` does, and saves.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -55,6 +57,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: str | None = None
         self._previous: dict[int, object] = {}
+        self._boundaries = 0
 
     def _note(self, number: int, frame: FrameType | None) -> None:
         del frame
@@ -80,3 +83,15 @@ class StopSignals:
                 return True
             return False
         return self.received is not None
+
+    def save_or_stop(
+        self, end: int, steps: int, checkpoint_every: int, save: Callable[[int], None], directory: Any
+    ) -> None:
+        """After a chunk that ended at step `end`: saves (`save(end)`) on the checkpoint grid,
+        at the last step, or when a signal asks to stop, and then raises `Preempted`."""
+        halt = self.reached(self._boundaries)
+        self._boundaries += 1
+        if end % checkpoint_every == 0 or end == steps or halt:
+            save(end)
+        if halt and end < steps:
+            raise Preempted(end, self.received or "a signal", str(directory))

@@ -2,8 +2,9 @@
 
 report_run(workdir)      loss.png, the experiment's attention pictures of the
                          newest checkpoint, report.json (evaluation metrics
-                         with per-head diagnostics) and report.html, the
-                         explorer page (qkv_jax/training/explore.py)
+                         with per-head diagnostics), head_ablation.png when the
+                         task measures it (eval_head_ablation), and report.html,
+                         the explorer page (qkv_jax/training/explore.py)
 report_sweep(workdir)    loss_curves.png (mean over seeds per cell), the
                          sweep's table plots, each cell's report.html (its
                          first seed) and results.html linking to them
@@ -81,7 +82,7 @@ def _json(value: Any) -> Any:
 def report_run(workdir: str | pathlib.Path, prompt: str | None = None) -> dict:
     """Pictures, head diagnostics and the explorer page of a run (`prompt`: one more input the
     page shows, for tasks that read text); returns report.json's content."""
-    from qkv_jax.plots import plot_loss_curves
+    from qkv_jax.plots import plot_head_ablation, plot_loss_curves
 
     workdir = pathlib.Path(workdir)
     config, setup, params, step = load_run(workdir)
@@ -96,6 +97,12 @@ def report_run(workdir: str | pathlib.Path, prompt: str | None = None) -> dict:
         title=f"{config.get('experiment', '')} (checkpoint step {step})",
     )
     report = {"step": step, **{f"eval_{name}": _json(value) for name, value in metrics.items()}}
+    if "head_ablation" in metrics:
+        plot_head_ablation(
+            metrics["head_ablation"],
+            workdir / "head_ablation.png",
+            title=f"validation loss increase with each head zeroed\n(checkpoint step {step})",
+        )
     write_json(workdir / "report.json", report)
     if setup.inspect is not None and setup.report_inputs is not None:
         template = _template(config, setup)

@@ -25,8 +25,10 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from qkv_jax.lora import count_params
 from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree, restore_train_state
 from qkv_jax.training.compiled import CompiledPrograms
+from qkv_jax.training.init_from import initial_params
 from qkv_jax.training.loop import (
     chunk_length,
     kept_checkpoints,
@@ -35,7 +37,7 @@ from qkv_jax.training.loop import (
     seed_keys,
     train_chunks,
 )
-from qkv_jax.training.preemption import Preempted, StopSignals
+from qkv_jax.training.preemption import StopSignals
 from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, to_host
 from qkv_jax.training.task import Setup, build_setup, to_dict
 from qkv_jax.training.workdir import (
@@ -175,10 +177,15 @@ def claim_workdir(workdir: pathlib.Path, config: dict, setup: Setup) -> WorkdirL
 
 
 def restore_or_init(run: Run) -> tuple[Any, Any, int]:
-    """(fresh initial state, state to train from, its step): the newest usable
-    checkpoint in the workdir, else the fresh state at step 0."""
+    """(initial state, state to train from, its step): the newest usable checkpoint in
+    the workdir, else the initial state at step 0: fresh parameters, or with
+    `train.init_from` another run's (`init_from.initial_params`; a fresh optimizer state,
+    whose init does not depend on the parameters' values)."""
     initial_state = run.programs.init(run.keys["init"])
     restored = restore_train_state(run.checkpoints, initial_state)
+    if restored is None and run.config["train"].get("init_from"):
+        params, _ = initial_params(run.config, initial_state.params)
+        initial_state = initial_state.replace(params=params)
     state, start_step = (initial_state, 0) if restored is None else (restored[1], restored[0])
     logging.info("%s", f"resuming from checkpoint step {start_step}" if restored else "starting from step 0")
     train = run.config["train"]
@@ -228,8 +235,6 @@ def train(run: Run, state: Any, start_step: int) -> Any:
     metrics = run.metrics = MetricsWriter(run.workdir / "metrics.jsonl", start_step, log_every, run.primary)
     progress = _Progress(steps, start_step, enabled=run.primary)
 
-    boundaries = iter(range(1 << 62))  # the chunk boundaries of this launch, for StopSignals
-
     def after_chunk(first_step: int, losses: np.ndarray, state: Any) -> None:
         _check_finite(run, first_step, losses)
         with disk_full_guard(f"{metrics.path}", run.kept()):
@@ -237,12 +242,8 @@ def train(run: Run, state: Any, start_step: int) -> Any:
                 metrics.write({"step": step, "loss": float(loss)})
         end = first_step + len(losses)
         progress.update(len(losses), float(losses[-1]))
-        stop = run.stop.reached(next(boundaries))
-        if end % train_config["checkpoint_every"] == 0 or end == steps or stop:
-            with disk_full_guard(f"checkpoint step {end} in {run.checkpoints.directory}", run.kept()):
-                run.checkpoints.save(end, checkpoint_tree(state))
-        if stop and end < steps:
-            raise Preempted(end, run.stop.received or "a signal", str(run.checkpoints.directory))
+        save = lambda step: save_checkpoint(run, step, state)
+        run.stop.save_or_stop(end, steps, train_config["checkpoint_every"], save, run.checkpoints.directory)
 
     try:
         state = train_chunks(
@@ -256,6 +257,12 @@ def train(run: Run, state: Any, start_step: int) -> Any:
     finally:
         progress.close()
     return state
+
+
+def save_checkpoint(run: Run, step: int, state: Any) -> None:
+    """Checkpoint `step` of `state` (one line, DiskFullError, when the disk is full)."""
+    with disk_full_guard(f"checkpoint step {step} in {run.checkpoints.directory}", run.kept()):
+        run.checkpoints.save(step, checkpoint_tree(state))
 
 
 def _check_finite(run: Run, first_step: int, losses: np.ndarray) -> None:
@@ -283,12 +290,14 @@ def _to_json(value: Any) -> Any:
 def summarise(run: Run, state: Any, start_step: int, untrained: dict, trained: dict) -> dict:
     """summary.json's content (without the pictures' entries and the wall time)."""
     steps = int(to_host(state.step))
+    params, trainable_params = count_params(state.params)
     return {
         "experiment": run.config.get("experiment", run.config["task"]["name"]),
         "steps": steps,
         "resumed_from_step": start_step,
         "final_loss": final_loss(run.workdir, steps),
-        "num_params": int(sum(np.size(x) for x in jax.tree.leaves(state.params))),
+        "params": params,
+        "trainable_params": trainable_params,
         "mesh": dict(run.mesh.shape),
         "processes": jax.process_count(),
         **{f"eval_{name}": _to_json(value) for name, value in trained.items()},

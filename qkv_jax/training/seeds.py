@@ -24,6 +24,7 @@ import numpy as np
 
 from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree, restore_train_state
 from qkv_jax.training.compiled import compile_for_platform
+from qkv_jax.training.init_from import fitted_params, read_source
 from qkv_jax.training.loop import (
     chunk_length,
     init_train_state,
@@ -34,7 +35,7 @@ from qkv_jax.training.loop import (
     seed_keys,
     train_chunks,
 )
-from qkv_jax.training.preemption import Preempted, StopSignals
+from qkv_jax.training.preemption import StopSignals
 from qkv_jax.training.task import Setup, build_setup, to_dict
 from qkv_jax.training.workdir import MetricsWriter, read_metrics
 
@@ -52,7 +53,8 @@ def train_seeds(
 ) -> dict:
     """Trains `config` once per seed, all seeds in one vmapped program.
 
-    `config.seed` is ignored; `seeds` replaces it. `setup` is `config`'s
+    `config.seed` is ignored; `seeds` replaces it; with `train.init_from` every seed
+    starts from that run's parameters (its own fresh adapters). `setup` is `config`'s
     (built here when None). A seed whose loss stops being finite keeps
     training (its numbers become nan) and is reported in `diverged`, so one
     bad seed does not stop the others. With `workdir`, training resumes from
@@ -77,6 +79,9 @@ def train_seeds(
     keys = jax.vmap(seed_keys)(jnp.asarray(seeds))  # {name: (num_seeds, 2)}
     tx = make_optimizer(config["train"])
     initial = jax.jit(jax.vmap(lambda key: init_train_state(setup, tx, key)))(keys["init"])
+    if config["train"].get("init_from"):  # every seed starts from the source's parameters
+        source = read_source(config["train"]["init_from"])
+        initial = initial.replace(params=jax.vmap(lambda p: fitted_params(config, source, p))(initial.params))
     evaluate = jax.jit(jax.vmap(setup.evaluate, in_axes=(0, 0, None)))
     chunks = _VmappedChunks(setup, keys, initial)
 
@@ -138,6 +143,7 @@ class _Store:
 
     def __init__(self, workdir: Any, train: dict):
         self.directory = None if workdir is None else pathlib.Path(workdir)
+        self._log_every = train["log_every"]
         self._logged: list[dict] = []
         self._probes: list[dict] = []
         self._checkpoints = None
@@ -151,7 +157,10 @@ class _Store:
         restored = None if self._checkpoints is None else restore_train_state(self._checkpoints, initial)
         states, start_step = (initial, 0) if restored is None else (restored[1], restored[0])
         if self.directory is not None:
-            self._curves = MetricsWriter(self.directory / "curves.jsonl", start_step, 1, tensorboard=False)
+            # As metrics.jsonl: on resume, the losses on the log grid before the checkpoint stay.
+            self._curves = MetricsWriter(
+                self.directory / "curves.jsonl", start_step, self._log_every, tensorboard=False
+            )
             self._probe_log = MetricsWriter(self.directory / "probes.jsonl", start_step, 1, tensorboard=False)
         return states, start_step
 
@@ -188,7 +197,6 @@ def _train(
     states, start_step = store.restore(initial)
     if probe is not None:
         store.write("probe", {"step": start_step, **_plain(probe(states.params))})
-    boundaries = iter(range(1 << 62))
 
     def after_chunk(first_step: int, losses: np.ndarray, states: Any) -> None:
         for step, seed_losses in logged_losses(first_step, losses, log_every, steps):
@@ -196,11 +204,9 @@ def _train(
         end = first_step + losses.shape[-1]
         if probe is not None:
             store.write("probe", {"step": end, **_plain(probe(states.params))})
-        halt = stop.reached(next(boundaries))
-        if end % checkpoint_every == 0 or end == steps or halt:
-            store.save(end, states)
-        if halt and end < steps:
-            raise Preempted(end, stop.received or "a signal", str(store.directory))
+        stop.save_or_stop(
+            end, steps, checkpoint_every, lambda step: store.save(step, states), store.directory
+        )
 
     try:
         return train_chunks(

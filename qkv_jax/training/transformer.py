@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from qkv_jax.attention import IMPLEMENTATIONS
-from qkv_jax.lm import TransformerConfig, TransformerLM
+from qkv_jax.diagnostics import collect_attention_weights
+from qkv_jax.lm import LORA_TARGETS, TransformerConfig, TransformerLM
 from qkv_jax.training import validate
 from qkv_jax.training.validate import ConfigError
 
@@ -22,12 +23,14 @@ __all__ = [
     "DTYPES",
     "PRECISIONS",
     "transformer_config",
+    "lora_targets",
     "make_model",
     "validate_model_config",
     "cross_entropy",
     "token_cross_entropy",
     "init_params",
     "training_logits",
+    "layer_attention",
 ]
 
 _FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
@@ -45,7 +48,31 @@ def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) ->
     for name in ("dtype", "param_dtype"):
         if isinstance(fields.get(name), str):
             fields[name] = jnp.dtype(fields[name])
+    if isinstance(fields.get("lora_targets"), str):
+        fields["lora_targets"] = lora_targets(fields["lora_targets"])
     return TransformerConfig(**{**fields, "vocab_size": vocab_size, **overrides})
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """'query,value' -> ('query', 'value')."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _validate_lora(config: Any) -> None:
+    model = config["model"]
+    if "lora_rank" not in model:  # a config written before LoRA existed
+        return
+    validate.require_nonnegative_int(config, "model.lora_rank")
+    validate.require_positive_float(config, "model.lora_alpha")
+    targets = model["lora_targets"]
+    names = lora_targets(targets) if isinstance(targets, str) else ()
+    unknown = [name for name in names if name not in LORA_TARGETS]
+    if not isinstance(targets, str) or unknown or (model["lora_rank"] and not names):
+        raise ConfigError(
+            f"model.lora_targets={targets!r}: must be comma-separated names of {', '.join(LORA_TARGETS)}"
+        )
+    if model["lora_rank"] and "kv_latent" in names and model.get("kv_latent_dim") is None:
+        raise ConfigError(f"model.lora_targets={targets!r}: kv_latent needs model.kv_latent_dim")
 
 
 def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerLM:
@@ -75,6 +102,7 @@ def validate_model_config(config: Any, seq_len: int, source: str) -> None:
         validate.require_choice(config, "model.precision", PRECISIONS)
     if model.get("num_kv_heads") is not None:
         validate.require_divides(config, "model.num_kv_heads", "model.num_heads")
+    _validate_lora(config)
     if seq_len > model["max_len"]:
         raise ConfigError(
             f"model.max_len={model['max_len']}: shorter than the training sequences ({source}={seq_len})"
@@ -108,3 +136,12 @@ def training_logits(model: TransformerLM, params: Any, tokens: jax.Array, rng: j
     """Logits `[B, T, V]` of `tokens` `[B, T]` in training mode (dropout drawn from `rng`)."""
     logits = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": rng})
     return jnp.asarray(logits)
+
+
+def layer_attention(model: TransformerLM, params: Any, tokens: jax.Array) -> list[jax.Array]:
+    """[attention weights `[B, N, T, T]` of block 0, block 1, ...] of `model` with the causal
+    mask on `tokens` `[B, T]` (sown by the reference path)."""
+    probe = model.replace(causal=True, sow_weights=True)
+    _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
+    weights = collect_attention_weights(state["intermediates"])
+    return [weights[f"block_{layer}/attention"] for layer in range(model.config.num_layers)]
