@@ -484,15 +484,7 @@ def lm_kv_heads() -> str:
         + (f"Significantly better: {', '.join(r['arm'] for r in better)}. " if better else "")
         + f"With this many seeds a true difference of {fmt(detectable, 2)} bits/char or more would be "
         "found with probability 0.8 (the largest such threshold over the comparisons). "
-        + (
-            "So sharing K/V heads has a measurable quality cost at this scale, growing as the cache "
-            "shrinks, as seed 001 says."
-            if worse and any(r["arm"] == "mqa_kv1" for r in worse)
-            else "So at this scale the quality cost seed 001 describes is smaller than the experiment "
-            f"can see: below about {fmt(detectable, 2)} bits/char."
-            if not worse
-            else "So some of the variants pay a measurable quality cost; see the table for which."
-        )
+        + _kv_conclusion(others)
         + f" The cache shrinks as designed: {mha['kv_cache_bytes_per_token']} bytes per token for 8 K/V "
         f"heads, {mqa['kv_cache_bytes_per_token']} for one. Decoding {decode_note(rows)}"
     )
@@ -523,6 +515,37 @@ def lm_kv_heads() -> str:
             f"**Answer.** {answer}",
         ]
     )
+
+
+def _kv_conclusion(others: list[dict]) -> str:
+    """What the paired differences say, for shared heads (GQA, MQA) and latents (MLA) apart."""
+    sentences = []
+    for kind, label in (
+        ("gqa", "sharing K/V heads (GQA, MQA)"),
+        ("mla", "compressing K and V into a latent (MLA)"),
+    ):
+        arms = [
+            r for r in others if r["arm"].startswith(kind) or (kind == "gqa" and r["arm"].startswith("mqa"))
+        ]
+        costly = [
+            r
+            for r in arms
+            if r["difference_from_mha"]["significant"] and r["difference_from_mha"]["mean"] > 0
+        ]
+        if not arms:
+            continue
+        if costly:
+            sizes = ", ".join(f"{r['arm']} {r['difference_from_mha']['mean']:+.3f}" for r in costly)
+            sentences.append(f"{label} has a measurable cost at this scale ({sizes} bits/char).")
+        else:
+            largest = max(abs(r["difference_from_mha"]["mean"]) for r in arms)
+            threshold = max(r["difference_from_mha"]["detectable"] for r in arms)
+            sentences.append(
+                f"{label} shows no significant cost at this scale: the measured differences are "
+                f"at most {fmt(largest, 2)} bits/char, and a cost of {fmt(threshold, 2)} or more would have "
+                "been seen with probability 0.8."
+            )
+    return " So: " + " ".join(sentences)
 
 
 def decode_note(rows: dict[str, dict]) -> str:
