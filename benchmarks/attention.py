@@ -1,5 +1,6 @@
 r"""Attention time and memory: our paths against jax.nn, Flax and PyTorch.
 
+  python benchmarks/attention.py --library-user [--quick]  # one process, as `import qkv_jax` meets it
   python benchmarks/attention.py                            # the full CPU run (1-2 hours on 2 cores)
   python benchmarks/attention.py --lengths 128,512 --quick  # a few minutes
   python benchmarks/attention.py --tune-blocks --lengths 1024,2048
@@ -28,6 +29,26 @@ malloc, when tcmalloc is installed. GFLOP/s count useful work: forward
 4 B N T S H times the share of allowed (query, key) pairs, backward 2.5 times
 that, recomputation not counted. The ceiling is the measured float32 matmul
 rate (2048 x 2048) of JAX and of PyTorch on the same threads.
+
+Library-user run (--library-user): what a researcher who does `import qkv_jax`
+in their own program gets, in this one process with whatever allocator and
+XLA flags it was started with (glibc's malloc and none, unless the environment
+says otherwise; the results record both) and JAX's one CPU device. B8 N8 H64
+float32, T = S in --lengths (default 128, 512, 2048, 4096, 8192; --quick: 128,
+512, 2048, about 2 minutes; the full set about 15), causal and not, forward
+and forward+backward, side by side:
+  qkv_jax    qkv_jax.dot_product_attention(q, k, v, is_causal=...) as it comes
+             (it jits itself); the backward through an eager `jax.vjp`,
+             pulling back the output as the cotangent
+  jax.nn     jax.jit(jax.nn.dot_product_attention), the same way; up to T 2048
+             (512 with --quick) and where its T x S buffers fit in memory
+  torch      torch's SDPA, [B, N, T, H], on as many threads as JAX has cores
+and at T <= 128 also qkv_jax's other paths (implementation="reference", "xla",
+"chunked"), for the ratio to the fastest JAX path. Each case's calls run
+interleaved in a new random order per round after a warm-up call each (3
+rounds, 5x that at T <= 128, 2x at T 512, at most 2 from T 4096 on); medians,
+and every time as a ratio to torch's.
+Writes benchmarks/results/attention_library_user.json.
 
 GPU run (--gpu): the cases that matter first (bf16 causal forward+backward at
 T 4096 and 16384 with B4 N16 H128, then forward, full attention, B8 T1024 N16
@@ -464,31 +485,180 @@ def cpu_main(args) -> None:
     print(f"wrote {path.relative_to(ROOT)}")
 
 
-# ----------------------------------------------------------------------------- tile sizes
+# ----------------------------------------------------------------------------- library user
+
+LIBRARY_LENGTHS = [128, 512, 2048, 4096, 8192]
+LIBRARY_QUICK_LENGTHS = [128, 512, 2048]
+LIBRARY_IMPLS = ("qkv_jax", "jax.nn", "torch")
+SHORT_PATHS = ("reference", "xla", "chunked")  # qkv_jax's explicit paths, timed at T <= 128
+LIBRARY_PAUSE_S = 0.2  # rest before each timed call (see PAUSE_S)
 
 
-def tune_blocks(args) -> None:
-    """Times the chunked path's tile sizes against each other, interleaved, in this process."""
+def library_runner(impl: str, causal: bool, pass_: str, T: int):
+    """One call as a library user writes it: a zero-argument callable that waits for it."""
+    if impl == "torch":
+        return torch_runner(causal, pass_, T)
     import functools
 
     import jax
 
-    from qkv_jax.chunked import chunked_attention
+    import qkv_jax
 
-    sizes = [(128, 128), (256, 256), (256, 512), (512, 512), (512, 1024), (1024, 1024)]
+    if impl == "jax.nn":
+        attend = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal))
+    else:
+        implementation = None if impl == "qkv_jax" else impl
+        attend = functools.partial(
+            qkv_jax.dot_product_attention, is_causal=causal, implementation=implementation
+        )
+    inputs = jax_inputs(T, T)
+    if pass_ == "fwd":
+        return lambda: jax.block_until_ready(attend(*inputs))
+
+    def forward_backward():
+        output, pullback = jax.vjp(attend, *inputs)
+        jax.block_until_ready(pullback(output))
+
+    return forward_backward
+
+
+def library_rounds(rounds: int, T: int) -> int:
+    """More rounds where calls take milliseconds (T <= 128: 5x, T 512: 2x), at most 2 from T 4096 on."""
+    if T <= 128:
+        return 5 * rounds
+    if T <= 512:
+        return 2 * rounds
+    return rounds if T < 4096 else min(rounds, 2)
+
+
+def library_impls(T: int, pass_: str, args) -> list[str]:
+    """The implementations timed at one length: jax.nn while it is cheap enough to run and to hold."""
+    impls = ["qkv_jax", "torch"]
+    if T <= args.library_nn_max and materialised_gib(T, pass_) <= args.max_gib:
+        impls.insert(1, "jax.nn")
+    if T <= 128:
+        impls += [p for p in SHORT_PATHS if materialised_gib(T, pass_) <= args.max_gib]
+    return impls
+
+
+def library_case(T: int, causal: bool, pass_: str, impls: list[str], rounds: int) -> dict:
+    """Seconds of each implementation's calls, interleaved in a new random order per round."""
+    runners = {impl: library_runner(impl, causal, pass_, T) for impl in impls}
+    for run in runners.values():
+        run()  # compiles and warms up
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    order = random.Random(T * 4 + 2 * causal + (pass_ == "fwd"))
+    for _ in range(rounds):
+        for impl in order.sample(impls, len(impls)):
+            time.sleep(LIBRARY_PAUSE_S)
+            started = time.perf_counter()
+            runners[impl]()
+            times[impl].append(time.perf_counter() - started)
+    return times
+
+
+def library_report(records: list[dict]) -> tuple[list[str], dict]:
+    """Markdown table (median ms, ratio to torch) and the ratios the issue asks for."""
+    columns = ["qkv_jax", "jax.nn", "torch"]
+    lines = [
+        "| T = S | mask | pass | qkv_jax | jax.nn | torch SDPA | qkv_jax / torch | jax.nn / torch "
+        "| qkv_jax / fastest JAX path |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {}
+    for r in records:
+        seconds = {impl: statistics.median(t) for impl, t in r["times_s"].items()}
+        torch_s = seconds["torch"]
+        cells = [f"{1e3 * seconds[c]:.1f} ms" if c in seconds else "-" for c in columns]
+        over_torch = [f"{seconds[c] / torch_s:.2f}" if c in seconds else "-" for c in ("qkv_jax", "jax.nn")]
+        jax_paths = [s for impl, s in seconds.items() if impl not in ("qkv_jax", "torch")]
+        fastest = f"{seconds['qkv_jax'] / min(jax_paths):.2f}" if jax_paths else "-"
+        mask = "causal" if r["causal"] else "full"
+        lines.append(
+            f"| {r['T']} | {mask} | {r['pass_']} | " + " | ".join(cells + over_torch + [fastest]) + " |"
+        )
+        ratios[f"T={r['T']} {mask} {r['pass_']}: qkv_jax / torch"] = seconds["qkv_jax"] / torch_s
+        if r["T"] <= 128 and jax_paths:
+            ratios[f"T={r['T']} {mask} {r['pass_']}: qkv_jax / fastest JAX path"] = seconds["qkv_jax"] / min(
+                jax_paths
+            )
+    return lines, ratios
+
+
+def library_user_main(args) -> None:
+    """Attention as a library user meets it (module docstring), in this process."""
+    import jax
+
+    records = []
+    for T in args.lengths:
+        rounds = library_rounds(args.rounds, T)
+        for causal in (False, True):
+            for pass_ in PASSES:
+                impls = library_impls(T, pass_, args)
+                record = dict(T=T, causal=causal, pass_=pass_)
+                record["times_s"] = library_case(T, causal, pass_, impls, rounds)
+                records.append(record)
+                medians = {
+                    impl: f"{1e3 * statistics.median(t):.1f} ms" for impl, t in record["times_s"].items()
+                }
+                print(f"T={T} causal={causal} {pass_}: {medians}", file=sys.stderr, flush=True)
+    table, ratios = library_report(records)
+    intro = (
+        f"B{BATCH} N{HEADS} H{HEAD_DIM} float32, one process, JAX's {jax.device_count()} CPU device(s), "
+        f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or 'none'}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}, torch on {cpu_threads()} threads; "
+        f"median of {args.rounds} interleaved rounds (x5 at T <= 128, x2 at T 512, at most 2 from T 4096 "
+        "on); forward+backward through an eager "
+        "`jax.vjp` (torch: `.backward()`). Ratios above 1: slower than torch."
+    )
+    print("\n".join([intro, "", *table]))
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+    title = "Attention on CPU as a library user meets it"
+    path = write_results(
+        args.name,
+        command.strip(),
+        {"title": title, "records": records, "table": [intro, "", *table], "ratios": ratios},
+    )
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+# ----------------------------------------------------------------------------- tile sizes
+
+
+BLOCK_CANDIDATES = [(64, 64), (128, 64), (256, 64), (512, 64), (128, 128), (256, 128), (512, 32)]
+
+
+def tune_blocks(args) -> None:
+    """Times the chunked path's tile sizes against each other, interleaved, in this process.
+
+    An explicit (block_q, block_k) tiles both passes; the forward's time ranks the
+    forward tiles and forward+backward less forward the backward's. The default
+    rule (`qkv_jax.chunked.block_sizes`) runs beside them as "default".
+    """
+    import functools
+
+    import jax
+
+    from qkv_jax.chunked import block_sizes, chunked_attention
+
+    sizes = [*BLOCK_CANDIDATES, None]
     runners = {}
     for T in args.lengths:
         inputs = jax_inputs(T, T)
         for causal in (False, True):
             for pass_ in PASSES:
-                for bq, bk in sizes:
-                    attend = functools.partial(chunked_attention, is_causal=causal, block_q=bq, block_k=bk)
+                for size in sizes:
+                    blocks = {} if size is None else dict(block_q=size[0], block_k=size[1])
+                    attend = functools.partial(chunked_attention, is_causal=causal, **blocks)
                     step = jax_step(attend, pass_)
                     run = lambda s=step, x=inputs: jax.block_until_ready(s(*x))
-                    runners[(T, causal, pass_, (bq, bk))] = run
+                    runners[(T, causal, pass_, size)] = run
     times = interleaved_medians(runners, args.rounds, group=len(sizes))
     median = {case: statistics.median(t) for case, t in times.items()}
-    header = " | ".join(f"{bq} x {bk}" for bq, bk in sizes)
+    label = lambda size: "default" if size is None else f"{size[0]} x {size[1]}"
+    header = " | ".join(label(size) for size in sizes)
     table = [f"| T = S | mask | pass | {header} |", "|---|---|---|" + "---|" * len(sizes)]
     best = {}
     for T in args.lengths:
@@ -496,9 +666,15 @@ def tune_blocks(args) -> None:
             for pass_ in PASSES:
                 cells = " | ".join(f"{median[(T, causal, pass_, b)] * 1000:.0f} ms" for b in sizes)
                 table.append(f"| {T} | {'causal' if causal else 'none'} | {pass_} | {cells} |")
-        total = {b: sum(median[(T, c, p, b)] for c in (False, True) for p in PASSES) for b in sizes}
-        fastest = min(total, key=total.get)
-        best[f"T={T}: fastest block_q x block_k over the four cases"] = f"{fastest[0]} x {fastest[1]}"
+        forward = {b: sum(median[(T, c, "fwd", b)] for c in (False, True)) for b in BLOCK_CANDIDATES}
+        backward = {
+            b: sum(median[(T, c, "fwd+bwd", b)] - median[(T, c, "fwd", b)] for c in (False, True))
+            for b in BLOCK_CANDIDATES
+        }
+        rule = block_sizes(BATCH * HEADS, T, T), block_sizes(BATCH * HEADS, T, T, backward=True)
+        best[f"T={T}: fastest forward tiles (causal + full)"] = label(min(forward, key=forward.get))
+        best[f"T={T}: fastest backward tiles (causal + full)"] = label(min(backward, key=backward.get))
+        best[f"T={T}: the default rule's forward, backward tiles"] = f"{label(rule[0])}, {label(rule[1])}"
     print("\n".join(table))
     print(best)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
@@ -1059,7 +1235,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-gib", type=float, help="memory budget (default 85%% of what is available)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument(
-        "--name", default="attention", help="CPU run: writes benchmarks/results/NAME.json (a focused rerun)"
+        "--name",
+        help="CPU run: writes benchmarks/results/NAME.json (default attention, attention_library_user)",
     )
     parser.add_argument(
         "--allocators",
@@ -1067,6 +1244,12 @@ def parse_args(argv=None):
         help="tcmalloc,glibc (default both when tcmalloc is installed)",
     )
     parser.add_argument("--tune-blocks", action="store_true", help="time the chunked path's tile sizes")
+    parser.add_argument(
+        "--library-user", action="store_true", help="qkv_jax, jax.nn and torch SDPA in this one process"
+    )
+    parser.add_argument(
+        "--library-nn-max", type=int, help="--library-user: longest T for jax.nn (2048; 512 with --quick)"
+    )
     parser.add_argument("--gpu", action="store_true", help="accelerator run (benchmarks/gpu.sh)")
     parser.add_argument(
         "--gpu-check", action="store_true", help="cuDNN cases against the reference (benchmarks/gpu_check.sh)"
@@ -1082,10 +1265,16 @@ def parse_args(argv=None):
     unknown = sorted(set(args.impls) - set(CPU_IMPLS))
     if unknown:
         parser.error(f"--impls: unknown {unknown}; choose from {list(CPU_IMPLS)}")
+    if args.name is None:
+        args.name = "attention_library_user" if args.library_user else "attention"
+    if args.lengths is None and args.library_user:
+        args.lengths = LIBRARY_QUICK_LENGTHS if args.quick else LIBRARY_LENGTHS
     if args.lengths is None:
         args.lengths = [2048, 8192] if args.gpu else [64, 128, 512, 2048, 4096, 8192]
+    if args.library_nn_max is None:
+        args.library_nn_max = 512 if args.quick else 2048
     if args.rounds is None:
-        args.rounds = 3 if args.quick else 7
+        args.rounds = 3 if args.quick or args.library_user else 7
     if args.long_rounds is None:
         args.long_rounds = 1 if args.quick else 3
     if args.allocators is None:
@@ -1106,6 +1295,8 @@ def main() -> None:
         print(json.dumps(WORKERS[args.worker](args)))
     elif args.gpu_check:
         gpu_check_main(args)
+    elif args.library_user:
+        library_user_main(args)
     elif args.gpu:
         gpu_main(args)
     elif args.tune_blocks:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,7 @@ def machine() -> dict:
         except ImportError:
             info[name] = None
     info["LD_PRELOAD"] = os.environ.get("LD_PRELOAD", "")
+    info["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
     return info
 
 
@@ -73,3 +76,50 @@ def last_json_line(text: str) -> dict:
 
 
 PYTHON = sys.executable
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, list[str]]:
+    """Each instruction of a compiled module's text (`Compiled.as_text()`) -> the `op_name`
+    metadata of it and, for a fusion, of every instruction of the computation it calls.
+
+    The names of the events a `jax.profiler` trace records for XLA:CPU are these
+    instruction names, so the JAX name stack (module paths, `jax.named_scope`s)
+    tells what each event computes.
+    """
+    instruction = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+    computation_ops: dict[str, list[str]] = {}
+    calls: dict[str, tuple[str | None, str | None]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            header = re.match(r"^(?:ENTRY )?%?([\w.\-]+)", line)
+            current = header.group(1) if header else None
+            continue
+        match = instruction.match(line)
+        if not match:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        if op_name and current is not None:
+            computation_ops.setdefault(current, []).append(op_name.group(1))
+        calls[match.group(1)] = (op_name.group(1) if op_name else None, called.group(1) if called else None)
+    names = {}
+    for name, (op_name, called) in calls.items():
+        names[name] = ([op_name] if op_name else []) + computation_ops.get(called or "", [])
+    return names
+
+
+def profile_events(run, trace_dir: str) -> tuple[dict[str, float], float]:
+    """Runs `run()` under `jax.profiler.trace`; returns (seconds per XLA:CPU event name, summed
+    over the run; seconds the executor was busy, summed over the program's executions)."""
+    import jax
+
+    with jax.profiler.trace(trace_dir):
+        run()
+    (path,) = sorted(pathlib.Path(trace_dir).glob("plugins/profile/*/*.trace.json.gz"))[-1:]
+    events = [e for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
+    busy = sum(e["dur"] for e in events if e["name"] == "ThunkExecutor::Execute (wait for completion)")
+    seconds: dict[str, float] = {}
+    for event in events:
+        seconds[event["name"]] = seconds.get(event["name"], 0.0) + event["dur"] / 1e6
+    return seconds, busy / 1e6

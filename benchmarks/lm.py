@@ -1,7 +1,21 @@
 r"""The char LM: KV-cache decoding against recomputation, and training speed against PyTorch.
 
   python benchmarks/lm.py [--steps 10] [--rounds 3]
+  python benchmarks/lm.py --library-user [--quick]   # one process, as `import qkv_jax` meets it
   python benchmarks/lm.py --gpu [--dry-run]   # benchmarks/gpu.sh's LM step (lm_gpu.json)
+
+--library-user: the training step a researcher writes around the library, in
+this one process with whatever allocator and XLA flags it was started with
+(glibc's malloc and none, unless the environment says otherwise; the results
+record both): `TransformerLM` (2 layers, d_model 128, 4 heads, T 128, batch 32,
+vocab 256) with optax AdamW in one `jax.jit` step (state donated), against the
+same architecture in eager PyTorch (`F.scaled_dot_product_attention`, AdamW,
+torch's default threads), interleaved rounds of --steps steps, medians. Then a
+`jax.profiler` trace of the step, each XLA:CPU event attributed by its HLO
+name stack: the attention kernel, the dense layers' matmuls, the rest of the
+MLP and blocks, layer norm, embedding, cross-entropy, the optimizer, and the
+host's share (wall time the executor was not busy). Writes
+benchmarks/results/lm_library_user.json.
 
 Every measurement runs in a fresh subprocess of this script (`--worker ...`),
 once with glibc malloc and once with tcmalloc preloaded
@@ -30,12 +44,25 @@ import functools
 import json
 import os
 import pathlib
+import random
+import re
+import resource
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import PYTHON, ROOT, last_json_line, median, run_timed, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    PYTHON,
+    ROOT,
+    hlo_op_names,
+    last_json_line,
+    median,
+    profile_events,
+    run_timed,
+    write_results,
+)
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 MODELS = ("char_lm", "small_lm")
@@ -99,7 +126,9 @@ def worker_decode() -> dict:
     recompute = jax.jit(recompute_generate, static_argnums=(0, 3))
     results = {}
     for batch in DECODE_BATCHES:
-        prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(batch), (batch, 1), 1, model.vocab_size))
+        prompt = np.asarray(
+            jax.random.randint(jax.random.PRNGKey(batch), (batch, 1), 1, model.config.vocab_size)
+        )
 
         def cached(prompt=prompt):
             return generate(model, params, prompt, NEW_TOKENS, rng=jax.random.PRNGKey(0), temperature=0.0)
@@ -369,6 +398,190 @@ def decode_lines(dry_run: bool, ratios: dict) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------- library user
+
+LIBRARY_LM = {"vocab_size": 256, "num_layers": 2, "d_model": 128, "num_heads": 4, "max_len": 128}
+LIBRARY_BATCH = 32
+# (part, pattern over an event's HLO op names), first match wins; "matmul" parts count dots only.
+PROFILE_PARTS = (
+    ("optimizer (AdamW)", r"/optimizer/"),
+    ("cross-entropy", r"/cross_entropy/"),
+    ("attention kernel", r"jit\(_attention\)|dot_product_attention"),
+    ("q/k/v/out matmuls", r"/attention/(attention\._keys_and_values/)?(query|key|value|out)/.*dot_general"),
+    ("MLP matmuls", r"/mlp_(in|out)/.*dot_general"),
+    ("head matmul", r"/head/.*dot_general"),
+    ("layer norm", r"_norm/"),
+    ("embedding", r"_embedding/"),
+    ("q/k/v/out bias and reshapes", r"/attention/"),
+    ("MLP bias, GELU, residual adds", r"/block_\d+/|/mlp_"),
+)
+
+
+def library_jax_step(shape: dict, batch: int):
+    """(run(n): n training steps then a sync, the jitted step, its arguments): a user's step."""
+    import jax
+    import optax
+
+    from qkv_jax.lm import TransformerConfig, TransformerLM
+    from qkv_jax.training.transformer import cross_entropy
+
+    model = TransformerLM(TransformerConfig(**shape))
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, shape["max_len"] + 1), 0, shape["vocab_size"])
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), tokens[:, :-1])["params"]
+    tx = optax.adamw(3e-4, weight_decay=0.01)
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])  # (B, T, V)
+        with jax.named_scope("cross_entropy"):
+            return cross_entropy(logits, tokens[:, 1:])
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    state = [params, tx.init(params)]
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            state[0], state[1], loss = step(state[0], state[1], tokens)
+        loss.block_until_ready()
+
+    return run, step, (state, tokens)
+
+
+def library_torch_step(shape: dict, batch: int, threads: int | None = None):
+    """run(n): n steps of the same architecture in eager PyTorch with AdamW, then a sync, on
+    torch's default threads or on `threads` (set for the run, then restored)."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.lm_torch import TorchLM
+
+    default_threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = TorchLM(
+        shape["vocab_size"], shape["num_layers"], shape["d_model"], shape["num_heads"], shape["max_len"]
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    tokens = torch.randint(0, shape["vocab_size"], (batch, shape["max_len"] + 1))
+
+    def run(n: int) -> None:
+        torch.set_num_threads(threads or default_threads)
+        for _ in range(n):
+            logits = model(tokens[:, :-1])  # (B, T, V)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        loss.item()
+        torch.set_num_threads(default_threads)
+
+    return run
+
+
+def faults_per_step(run, steps: int) -> float:
+    """Minor page faults per step (fresh pages the allocator maps in and the kernel zeroes)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    run(steps)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+
+def step_profile(run, step, arguments, steps: int) -> tuple[list[tuple[str, float]], float, float]:
+    """([(part, op seconds per step)], wall seconds per step, executor-busy seconds per step)
+    of the JAX step from a profiler trace of `steps` steps."""
+    state, tokens = arguments
+    names = hlo_op_names(step.lower(state[0], state[1], tokens).compile().as_text())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        started = time.perf_counter()
+        seconds, busy = profile_events(lambda: run(steps), trace_dir)
+        wall = time.perf_counter() - started
+    parts: dict[str, float] = {}
+    for event, total in seconds.items():
+        if event not in names or re.match(r"(while|cond|conditional|call)\b", event):
+            continue  # not an XLA op, or control flow around the ops it runs
+        text = " ".join(names[event])
+        part = next((p for p, pattern in PROFILE_PARTS if re.search(pattern, text)), "other")
+        parts[part] = parts.get(part, 0.0) + total / steps
+    return sorted(parts.items(), key=lambda item: -item[1]), wall / steps, busy / steps
+
+
+def library_user_run(args) -> None:
+    """The LM step as a library user meets it (see the module docstring)."""
+    shape, batch = LIBRARY_LM, LIBRARY_BATCH
+    rounds = args.rounds if args.rounds else (3 if args.quick else 7)
+    jax_run, step, arguments = library_jax_step(shape, batch)
+    timed = {
+        "qkv_jax (jax.jit)": jax_run,
+        "torch eager": library_torch_step(shape, batch),
+        "torch eager, 1 thread": library_torch_step(shape, batch, threads=1),
+    }
+    for run in timed.values():
+        run(2)  # compiles, warms up
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(list(timed), len(timed)):
+            started = time.perf_counter()
+            timed[name](args.steps)
+            times[name].append((time.perf_counter() - started) / args.steps)
+    step_s = {name: median(t) for name, t in times.items()}
+    tokens = batch * shape["max_len"]
+    faults = {name: faults_per_step(run, args.steps) for name, run in timed.items()}
+    profile, traced_s, busy_s = step_profile(jax_run, step, arguments, args.steps)
+    op_s = sum(s for _, s in profile)
+    lines = [
+        f"TransformerLM {shape}, batch {batch}, AdamW, float32, one `jax.jit` step against eager "
+        f"PyTorch (its default threads, and 1: on a busy machine 2 OpenMP threads can be several "
+        f"times slower), in one process (LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or 'none'}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}); median of {rounds} interleaved "
+        f"rounds of {args.steps} steps.",
+        "",
+        "| implementation | ms / step | tokens/s | page faults / step |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {1e3 * s:.1f} | {tokens / s:.0f} | {faults[name]:.0f} |"
+            for name, s in step_s.items()
+        ),
+        "",
+        f"Where the qkv_jax step's time goes, from a `jax.profiler` trace of {args.steps} steps "
+        f"({1e3 * traced_s:.1f} ms per step while traced; the executor was busy "
+        f"{1e3 * busy_s:.1f} ms of it, the host's dispatch and Python the other "
+        f"{1e3 * max(traced_s - busy_s, 0.0):.1f} ms). XLA:CPU runs independent ops side by side, "
+        "so the ops' times add up to more than the busy time; shares are of their sum:",
+        "",
+        "| part | op ms / step | share of op time |",
+        "|---|---|---|",
+        *(f"| {part} | {1e3 * s:.1f} | {s / op_s:.0%} |" for part, s in profile),
+    ]
+    ratios = {
+        **{
+            f"qkv_jax tokens/s / {peer} tokens/s": step_s[peer] / step_s["qkv_jax (jax.jit)"]
+            for peer in ("torch eager", "torch eager, 1 thread")
+        },
+        **{f"step ms/{name}": 1e3 * s for name, s in step_s.items()},
+    }
+    print("\n".join(lines))
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    path = write_results(
+        args.name,
+        "python benchmarks/lm.py " + " ".join(sys.argv[1:]),
+        {
+            "title": "LM training step as a library call (CPU, one process)",
+            "table": lines,
+            "ratios": ratios,
+            "times_s": times,
+            "profile_ms": {part: 1e3 * s for part, s in profile},
+            "profile_step_ms": {"traced": 1e3 * traced_s, "executor busy": 1e3 * busy_s},
+            "page_faults_per_step": faults,
+        },
+    )
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
 def spawn(args: list[str], tcmalloc: bool) -> dict:
     env = {"PYTHONPATH": str(ROOT), "LD_PRELOAD": TCMALLOC if tcmalloc else ""}
     _, out = run_timed([PYTHON, "benchmarks/lm.py", *args], env=env)
@@ -455,7 +668,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch-train: torch.set_num_threads")
     parser.add_argument("--gpu", action="store_true", help="benchmarks/gpu.sh's step, in-process")
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: 2 steps, any device, no file")
+    parser.add_argument(
+        "--library-user", action="store_true", help="the LM step and its profile in this one process"
+    )
+    parser.add_argument("--quick", action="store_true", help="with --library-user: 3 rounds")
+    parser.add_argument(
+        "--name", default="lm_library_user", help="with --library-user: writes benchmarks/results/NAME.json"
+    )
     args = parser.parse_args()
+    if args.library_user:
+        if "--rounds" not in sys.argv:
+            args.rounds = 0  # library_user_run's default: 7, or 3 with --quick
+        library_user_run(args)
+        return
     if args.gpu:
         gpu_run(args.steps, args.dry_run)
         return

@@ -26,13 +26,14 @@ VERSIONS = ("python", "jax", "jaxlib", "flax", "optax", "torch")
 
 
 def describe_machine(machine: dict) -> str:
-    """One line: CPU, cores, memory, platform, allocator, library versions."""
+    """One line: CPU, cores, memory, platform, allocator, XLA flags, library versions."""
     parts = [
         machine.get("cpu", "unknown CPU"),
         f"{machine['cpu_count']} cores" if machine.get("cpu_count") else None,
         f"{machine['memory_gib']} GiB" if machine.get("memory_gib") else None,
         machine.get("platform"),
         f"LD_PRELOAD={machine['LD_PRELOAD']}" if machine.get("LD_PRELOAD") else None,
+        f"XLA_FLAGS={machine['XLA_FLAGS']}" if machine.get("XLA_FLAGS") else None,
     ]
     versions = ", ".join(f"{name} {machine[name]}" for name in VERSIONS if machine.get(name))
     return "; ".join(p for p in parts if p) + (f"; {versions}" if versions else "")

@@ -58,9 +58,8 @@ __all__ = [
 ]
 
 IMPLEMENTATIONS = ("reference", "xla", "chunked")
-# From this many keys on, "chunked" is faster than "reference" on CPU, forward
-# and backward (python benchmarks/attention.py --lengths 32,64,128; fewer keys
-# favour the reference's backward). See select_implementation.
+# From this many keys on, "chunked"; below, "reference" on CPU (forward-mode differentiable)
+# and "xla" on accelerators. See select_implementation.
 CHUNKED_MIN_KEYS = 64
 
 
@@ -624,11 +623,16 @@ def select_implementation(
        the causal triangle aligned bottom-right as everywhere here) need even
        T and S. Padding given as lengths costs no bias.
     3. At least `CHUNKED_MIN_KEYS` keys: "chunked". On CPU it is the fastest
-       path from there on, forward and backward, and its memory does not grow
-       with T x S (benchmarks/results/attention.json).
-    4. Fewer keys: "reference" on CPU, which there is about as fast forward
-       and faster backward; "xla" on accelerators when eligible (H = Hv, not
-       float64), else "reference".
+       path from there on, forward and backward, and its tiles keep every
+       buffer a call allocates small, under glibc's mmap threshold, where
+       pages do not fault in afresh on every call
+       (`python benchmarks/attention.py --library-user`,
+       benchmarks/results/attention_library_user.json).
+    4. Fewer keys: "reference" on CPU, the one path that is also
+       forward-mode differentiable ("chunked" is faster from 16 keys on, by
+       under 0.5 ms forward and 2 ms forward+backward at batch 8 x 8 heads);
+       "xla" on accelerators when eligible (H = Hv, not float64), else
+       "reference".
 
     Steps 2 and 4 follow the GPU measurements of issue 19 (cuDNN 10-20x faster
     than "chunked" on an H200, masked or not); benchmarks/gpu.sh measures them

@@ -267,6 +267,8 @@ BIAS = jax.ShapeDtypeStruct((2, 1, LONG, LONG), jnp.float32)
 SELECTIONS = [
     ("cpu short", shapes(8, LONG - 1), {}, "cpu", "reference"),
     ("cpu long", shapes(8, LONG), {}, "cpu", "chunked"),
+    ("cpu long float64", shapes(4, LONG, dtype=jnp.float64), {}, "cpu", "chunked"),
+    ("cpu long float16 masked", shapes(4, LONG, dtype=jnp.float16), dict(mask=True), "cpu", "chunked"),
     ("cpu long bf16 masked", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "cpu", "chunked"),
     ("cpu weights", shapes(LONG, LONG), dict(return_weights=True), "cpu", "reference"),
     ("cpu dropout", shapes(LONG, LONG), dict(dropout_rate=0.1), "cpu", "reference"),
@@ -312,7 +314,7 @@ def test_select_implementation_rule(inputs, kwargs, platform, expected):
     assert select_implementation(*inputs, platform=platform, **kwargs) == expected
 
 
-@pytest.mark.parametrize("S", [LONG - 1, LONG])
+@pytest.mark.parametrize("S", [1, LONG - 1, LONG])
 def test_default_runs_the_selected_path(S):
     """implementation=None traces to exactly the program of the path the rule names."""
     inputs = shapes(4, S)
