@@ -147,6 +147,38 @@ def worker_decode() -> dict:
             "speedup": full_s / cached_s,
             "same_tokens": bool(same),
         }
+    results["same_cache_bytes"] = same_cache_decode()
+    return results
+
+
+# The K/V study's arms with equal cache bytes per token (configs/char_lm.py:study, 8 heads):
+# GQA with 2 K/V heads, and MLA with a 64-wide latent, absorbed (the default) or rebuilding K and V.
+SAME_CACHE_ARMS = {
+    "gqa_kv2": {"num_kv_heads": 2},
+    "mla_latent64": {"kv_latent_dim": 64},
+    "mla_latent64_rebuilt": {"kv_latent_dim": 64, "absorb_latent": False},
+}
+SAME_CACHE_BATCHES = (1, 32)
+
+
+def same_cache_decode() -> dict:
+    """tokens/s of KV-cache decoding (a 1-token prompt, 127 new) for SAME_CACHE_ARMS."""
+    import jax
+    import numpy as np
+
+    from configs import char_lm
+    from qkv_jax.lm import kv_cache_bytes_per_token
+    from qkv_jax.training.lm_studies import decode_tokens_per_second
+    from qkv_jax.training.transformer import make_model
+
+    study = char_lm.get_config("study").to_dict()
+    results = {}
+    for arm, fields in SAME_CACHE_ARMS.items():
+        model = make_model(study["model"], study["data"]["max_vocab_size"], **fields)
+        params = jax.jit(model.init)(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+        results[arm] = {"cache_bytes_per_token": kv_cache_bytes_per_token(model)}
+        for batch in SAME_CACHE_BATCHES:
+            results[arm][f"batch{batch}"] = decode_tokens_per_second(model, params, batch)
     return results
 
 
@@ -623,6 +655,10 @@ def table(results: dict, allocators: list[str], have_torch: bool) -> list[str]:
             (f"{label}: recompute per token (tokens/s)", (*decode, "recompute_tokens_per_s"), "{:.0f}"),
             (f"{label}: KV-cache speedup", (*decode, "speedup"), "{:.1f}x"),
         ]
+    for arm in SAME_CACHE_ARMS:
+        for batch in SAME_CACHE_BATCHES:
+            label = f"decode at GQA-2's cache bytes, {arm}, batch {batch} (tokens/s)"
+            rows.append((label, ("decode", "same_cache_bytes", arm, f"batch{batch}"), "{:.0f}"))
     for name in MODELS:
         for level in (1, 2):
             level_key = (name, "jax", f"opt_level_{level}")
@@ -714,6 +750,11 @@ def main() -> None:
             ratios[f"{allocator}/decode_kv_cache_speedup_batch{batch}"] = r["decode"][f"batch{batch}"][
                 "speedup"
             ]
+        same_cache = r["decode"]["same_cache_bytes"]
+        for batch in SAME_CACHE_BATCHES:  # issue 15's target: GQA-2 / absorbed MLA <= 1.25
+            ratios[f"{allocator}/decode_gqa2_over_mla64_absorbed_batch{batch}"] = (
+                same_cache["gqa_kv2"][f"batch{batch}"] / same_cache["mla_latent64"][f"batch{batch}"]
+            )
         for name in MODELS:
             jax_level_1 = r[name]["jax"]["opt_level_1"]
             ratios[f"{allocator}/{name}_opt_level_1_over_2_tokens_per_s"] = (
