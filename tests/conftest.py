@@ -18,6 +18,24 @@ DATA = pathlib.Path(__file__).parent / "data"
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache, fresh for each test session and shared by its
+    xdist workers (pytest's session directory): many tests compile the same small
+    programs (a 2-layer model's training chunk is ~5 s of XLA:CPU compile, ~1 s from the
+    cache). Subprocess launches get it through `tests.launch.CACHE_FLAG`'s variable."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    path = root / "jax-compilation-cache"
+    path.mkdir(exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    os.environ["QKV_JAX_TEST_COMPILATION_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def seed002():
     """Reference numbers for seed 002's 'The cat sat on the mat' walkthrough."""

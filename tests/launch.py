@@ -11,3 +11,9 @@ def launcher_env(**extra: str) -> dict:
     packages installed with `pip install --target`, stays), plus `extra`."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def cache_flag() -> str:
+    """The launchers' --compilation_cache pointed at the test session's cache (conftest's
+    `compilation_cache` fixture); empty (off) outside a test session."""
+    return "--compilation_cache=" + os.environ.get("QKV_JAX_TEST_COMPILATION_CACHE", "")

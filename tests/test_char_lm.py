@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from launch import launcher_env
+from launch import cache_flag, launcher_env
 
 from configs import char_lm as char_lm_config
 from qkv_jax.lm import generate
@@ -124,7 +124,7 @@ def test_generate_from_the_latest_checkpoint(trained):
 
 def run_generate(*args):
     return subprocess.run(  # noqa: PLW1510 - the tests read returncode
-        [sys.executable, "-m", "experiments.generate", "--compilation_cache=", *args],
+        [sys.executable, "-m", "experiments.generate", cache_flag(), *args],
         cwd=ROOT,
         env=launcher_env(),
         capture_output=True,

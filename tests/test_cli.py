@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import launcher_env
+from launch import cache_flag, launcher_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/flag_retrieval.py"
@@ -15,7 +15,6 @@ SMALL = [
     "--config.train.log_every=2",
     "--config.train.checkpoint_every=2",
     "--config.eval.num_examples=16",
-    "--compilation_cache=",
 ]
 
 
@@ -140,13 +139,15 @@ def test_unwritable_workdir(tmp_path):
     "moves the old run to `replaced-<time>/` instead of deleting it",
 )
 def test_run_then_refuse_a_different_config_in_the_same_workdir(tmp_path):
-    ok = run_cli("--config", CONFIG, "--workdir", str(tmp_path), *SMALL)
+    ok = run_cli("--config", CONFIG, "--workdir", str(tmp_path), *SMALL, cache_flag())
     assert ok.returncode == 0, ok.stderr
     assert "eval_accuracy" in ok.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4
 
-    refused = run_cli("--config", CONFIG, "--workdir", str(tmp_path), *SMALL, "--config.model.d_k=4")
+    refused = run_cli(
+        "--config", CONFIG, "--workdir", str(tmp_path), *SMALL, cache_flag(), "--config.model.d_k=4"
+    )
     assert refused.returncode != 0
     (line,) = error_lines(refused)
     assert "model.d_k=4 here but 8 in the workdir" in line and "overwrite" in line
@@ -157,6 +158,7 @@ def test_run_then_refuse_a_different_config_in_the_same_workdir(tmp_path):
         "--workdir",
         str(tmp_path),
         *SMALL,
+        cache_flag(),
         "--config.model.d_k=4",
         "--config.train.overwrite=True",
     )

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from launch import launcher_env
+from launch import cache_flag, launcher_env
 
 from configs import flag_retrieval
 from qkv_jax.training import Checkpoints, train_and_evaluate
@@ -63,7 +63,7 @@ def launch(module, workdir, log_path, *extra, config="configs/flag_retrieval.py"
     log = open(log_path, "w")
     command = [sys.executable, "-m", module, "--config", config, "--workdir", str(workdir)]
     process = subprocess.Popen(
-        [*command, "--compilation_cache=", *extra],
+        [*command, cache_flag(), *extra],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -311,10 +311,10 @@ def test_real_full_filesystem(tmp_path, reference_run):
         workdir = mount / "w"
         train_and_evaluate(small_config(steps=10), workdir)
         filler = mount / "filler"
-        with open(filler, "wb") as f, pytest.raises(OSError):
+        # Unbuffered: a buffered file would raise ENOSPC again when it is closed.
+        with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         with pytest.raises(DiskFullError, match="no space left on the device writing"):
             train_and_evaluate(small_config(), workdir)
         assert Checkpoints(workdir / "checkpoints").all_steps()[-1] >= 10
@@ -355,7 +355,7 @@ def test_finished_run_is_left_as_it_was(tmp_path):
 )
 def test_sigterm_to_one_of_two_processes(tmp_path):
     extra = [
-        "--config.train.steps=3000",
+        "--config.train.steps=800",
         "--config.train.log_every=100",
         "--config.train.checkpoint_every=1000",
     ]
@@ -391,4 +391,4 @@ def test_sigterm_to_one_of_two_processes(tmp_path):
     processes = start("resumed")
     assert [p.wait(timeout=600) for p, _ in processes] == [0, 0]
     assert f"resuming from checkpoint step {step}" in (tmp_path / "resumed-0.log").read_text()
-    assert json.loads((tmp_path / "w" / "summary.json").read_text())["steps"] == 3000
+    assert json.loads((tmp_path / "w" / "summary.json").read_text())["steps"] == 800

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import launcher_env
+from launch import cache_flag, launcher_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -119,7 +119,7 @@ def test_own_task_from_the_readme_trains_from_outside_the_repository(tmp_path):
     workdir = tmp_path / "runs" / "lookup"
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--config", str(tmp_path / "my_lookup.py")]
-        + ["--workdir", str(workdir), "--config.train.steps=300", "--compilation_cache="],
+        + ["--workdir", str(workdir), "--config.train.steps=300", cache_flag()],
         cwd=ROOT,
         env=launcher_env(PYTHONPATH=f"{ROOT}:{tmp_path}"),
         capture_output=True,

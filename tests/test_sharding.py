@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from launch import launcher_env
+from launch import cache_flag, launcher_env
 
 from configs import flag_retrieval
 from qkv_jax.training import ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
@@ -198,7 +198,7 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
     args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + [
         "--config.mesh.data=2",
         "--config.mesh.model=2",
-        "--compilation_cache=",
+        cache_flag(),
     ]
     processes = [
         subprocess.Popen(

@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from launch import launcher_env
+from launch import cache_flag, launcher_env
 
 from configs import flag_retrieval
 from qkv_jax.training import train_and_evaluate
@@ -116,7 +116,7 @@ def test_sweep_command_line(tmp_path):
         "--config.train.steps=8",
         "--config.train.log_every=4",
         "--config.eval.num_examples=16",
-        "--compilation_cache=",
+        cache_flag(),
     ]
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launcher_env())
     assert result.returncode == 0, result.stderr
@@ -161,7 +161,7 @@ def test_two_shards_at_once_then_a_rerun(tmp_path):
         "--config.train.steps=40",
         "--config.train.log_every=10",
         "--config.eval.num_examples=16",
-        "--compilation_cache=",
+        cache_flag(),
     ]
     shards = [
         subprocess.Popen(
