@@ -1,6 +1,6 @@
 r"""Attention time and memory: our paths against jax.nn, Flax and PyTorch.
 
-  python benchmarks/attention.py --library-user [--quick]  # one process, as `import qkv_jax` meets it
+  python benchmarks/attention.py --library-user [--quick] [--shard-map]  # as `import qkv_jax` meets it
   python benchmarks/attention.py                            # the full CPU run (1-2 hours on 2 cores)
   python benchmarks/attention.py --lengths 128,512 --quick  # a few minutes
   python benchmarks/attention.py --tune-blocks --lengths 1024,2048
@@ -48,7 +48,10 @@ and at T <= 128 also qkv_jax's other paths (implementation="reference", "xla",
 interleaved in a new random order per round after a warm-up call each (3
 rounds, 5x that at T <= 128, 2x at T 512, at most 2 from T 4096 on); medians,
 and every time as a ratio to torch's.
-Writes benchmarks/results/attention_library_user.json.
+Writes benchmarks/results/attention_library_user.json. With --shard-map the
+process gets one CPU device per core and the default also runs inside
+`jax.shard_map` over heads (the one lever that puts XLA:CPU's second core to
+work inside a single attention call; attention_library_user_shard_map.json).
 
 GPU run (--gpu): the cases that matter first (bf16 causal forward+backward at
 T 4096 and 16384 with B4 N16 H128, then forward, full attention, B8 T1024 N16
@@ -491,6 +494,7 @@ LIBRARY_LENGTHS = [128, 512, 2048, 4096, 8192]
 LIBRARY_QUICK_LENGTHS = [128, 512, 2048]
 LIBRARY_IMPLS = ("qkv_jax", "jax.nn", "torch")
 SHORT_PATHS = ("reference", "xla", "chunked")  # qkv_jax's explicit paths, timed at T <= 128
+SHARD_MAP = "qkv_jax shard_map"  # --shard-map: the default inside jax.shard_map over heads
 LIBRARY_PAUSE_S = 0.2  # rest before each timed call (see PAUSE_S)
 
 
@@ -504,14 +508,23 @@ def library_runner(impl: str, causal: bool, pass_: str, T: int):
 
     import qkv_jax
 
+    inputs = jax_inputs(T, T)
     if impl == "jax.nn":
         attend = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal))
+    elif impl == SHARD_MAP:  # heads split over the process's CPU devices, as a user would write it
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        mesh = jax.make_mesh((jax.device_count(),), ("heads",))
+        spec = P(None, None, "heads", None)
+        call = functools.partial(qkv_jax.dot_product_attention, is_causal=causal)
+        attend = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        inputs = [jax.device_put(x, NamedSharding(mesh, spec)) for x in inputs]
     else:
         implementation = None if impl == "qkv_jax" else impl
         attend = functools.partial(
             qkv_jax.dot_product_attention, is_causal=causal, implementation=implementation
         )
-    inputs = jax_inputs(T, T)
     if pass_ == "fwd":
         return lambda: jax.block_until_ready(attend(*inputs))
 
@@ -533,7 +546,7 @@ def library_rounds(rounds: int, T: int) -> int:
 
 def library_impls(T: int, pass_: str, args) -> list[str]:
     """The implementations timed at one length: jax.nn while it is cheap enough to run and to hold."""
-    impls = ["qkv_jax", "torch"]
+    impls = ["qkv_jax", *([SHARD_MAP] if args.shard_map else []), "torch"]
     if T <= args.library_nn_max and materialised_gib(T, pass_) <= args.max_gib:
         impls.insert(1, "jax.nn")
     if T <= 128:
@@ -559,25 +572,33 @@ def library_case(T: int, causal: bool, pass_: str, impls: list[str], rounds: int
 
 def library_report(records: list[dict]) -> tuple[list[str], dict]:
     """Markdown table (median ms, ratio to torch) and the ratios the issue asks for."""
-    columns = ["qkv_jax", "jax.nn", "torch"]
+    sharded = any(SHARD_MAP in r["times_s"] for r in records)
+    columns = ["qkv_jax", *([SHARD_MAP] if sharded else []), "jax.nn", "torch"]
+    compared = ["qkv_jax", *([SHARD_MAP] if sharded else []), "jax.nn"]
     lines = [
-        "| T = S | mask | pass | qkv_jax | jax.nn | torch SDPA | qkv_jax / torch | jax.nn / torch "
-        "| qkv_jax / fastest JAX path |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| T = S | mask | pass | "
+        + " | ".join(c.replace("torch", "torch SDPA") for c in columns)
+        + " | "
+        + " | ".join(f"{c} / torch" for c in compared)
+        + " | qkv_jax / fastest JAX path |",
+        "|---|---|---|" + "---|" * (len(columns) + len(compared) + 1),
     ]
     ratios = {}
     for r in records:
         seconds = {impl: statistics.median(t) for impl, t in r["times_s"].items()}
         torch_s = seconds["torch"]
         cells = [f"{1e3 * seconds[c]:.1f} ms" if c in seconds else "-" for c in columns]
-        over_torch = [f"{seconds[c] / torch_s:.2f}" if c in seconds else "-" for c in ("qkv_jax", "jax.nn")]
-        jax_paths = [s for impl, s in seconds.items() if impl not in ("qkv_jax", "torch")]
+        over_torch = [f"{seconds[c] / torch_s:.2f}" if c in seconds else "-" for c in compared]
+        # Other single-device JAX paths (the shard_map variant runs on more devices).
+        jax_paths = [s for impl, s in seconds.items() if impl not in ("qkv_jax", "torch", SHARD_MAP)]
         fastest = f"{seconds['qkv_jax'] / min(jax_paths):.2f}" if jax_paths else "-"
         mask = "causal" if r["causal"] else "full"
         lines.append(
             f"| {r['T']} | {mask} | {r['pass_']} | " + " | ".join(cells + over_torch + [fastest]) + " |"
         )
         ratios[f"T={r['T']} {mask} {r['pass_']}: qkv_jax / torch"] = seconds["qkv_jax"] / torch_s
+        if SHARD_MAP in seconds:
+            ratios[f"T={r['T']} {mask} {r['pass_']}: {SHARD_MAP} / torch"] = seconds[SHARD_MAP] / torch_s
         if r["T"] <= 128 and jax_paths:
             ratios[f"T={r['T']} {mask} {r['pass_']}: qkv_jax / fastest JAX path"] = seconds["qkv_jax"] / min(
                 jax_paths
@@ -588,6 +609,9 @@ def library_report(records: list[dict]) -> tuple[list[str], dict]:
 def library_user_main(args) -> None:
     """Attention as a library user meets it (module docstring), in this process."""
     import jax
+
+    if args.shard_map:  # before JAX's backend starts: one CPU device per core
+        jax.config.update("jax_num_cpu_devices", os.cpu_count() or 1)
 
     records = []
     for T in args.lengths:
@@ -615,7 +639,9 @@ def library_user_main(args) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    title = "Attention on CPU as a library user meets it"
+    title = "Attention on CPU as a library user meets it" + (
+        ", with jax.shard_map over heads" if args.shard_map else ""
+    )
     path = write_results(
         args.name,
         command.strip(),
@@ -1250,6 +1276,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--library-nn-max", type=int, help="--library-user: longest T for jax.nn (2048; 512 with --quick)"
     )
+    parser.add_argument(
+        "--shard-map",
+        action="store_true",
+        help="--library-user: one CPU device per core, and the default inside jax.shard_map over heads too",
+    )
     parser.add_argument("--gpu", action="store_true", help="accelerator run (benchmarks/gpu.sh)")
     parser.add_argument(
         "--gpu-check", action="store_true", help="cuDNN cases against the reference (benchmarks/gpu_check.sh)"
@@ -1266,7 +1297,11 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"--impls: unknown {unknown}; choose from {list(CPU_IMPLS)}")
     if args.name is None:
-        args.name = "attention_library_user" if args.library_user else "attention"
+        args.name = (
+            "attention"
+            if not args.library_user
+            else "attention_library_user" + ("_shard_map" if args.shard_map else "")
+        )
     if args.lengths is None and args.library_user:
         args.lengths = LIBRARY_QUICK_LENGTHS if args.quick else LIBRARY_LENGTHS
     if args.lengths is None:

@@ -40,6 +40,7 @@ def machine() -> dict:
             info[name] = None
     info["LD_PRELOAD"] = os.environ.get("LD_PRELOAD", "")
     info["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
+    info["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
     return info
 
 
@@ -48,7 +49,10 @@ def median(values):
 
 
 def write_results(name: str, command: str, data: dict) -> pathlib.Path:
-    """Writes benchmarks/results/<name>.json with the command that made it."""
+    """Writes benchmarks/results/<name>.json with the command that made it (prefixed with the
+    GLIBC_TUNABLES it ran under, which change the allocator's behaviour for the process)."""
+    if os.environ.get("GLIBC_TUNABLES"):
+        command = f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']} {command}"
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     record = {

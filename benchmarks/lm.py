@@ -568,7 +568,8 @@ def library_user_run(args) -> None:
         f"TransformerLM {shape}, batch {batch}, AdamW, float32, one `jax.jit` step against eager "
         f"PyTorch (its default threads, and 1: on a busy machine 2 OpenMP threads can be several "
         f"times slower), in one process (LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or 'none'}, "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}); median of {rounds} interleaved "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or 'none'}, "
+        f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '') or 'none'}); median of {rounds} interleaved "
         f"rounds of {args.steps} steps.",
         "",
         "| implementation | ms / step | tokens/s | page faults / step |",
@@ -602,7 +603,8 @@ def library_user_run(args) -> None:
         args.name,
         "python benchmarks/lm.py " + " ".join(sys.argv[1:]),
         {
-            "title": "LM training step as a library call (CPU, one process)",
+            "title": "LM training step as a library call (CPU, one process"
+            + (f", GLIBC_TUNABLES={tunables})" if (tunables := os.environ.get("GLIBC_TUNABLES")) else ")"),
             "table": lines,
             "ratios": ratios,
             "times_s": times,

@@ -34,6 +34,7 @@ def describe_machine(machine: dict) -> str:
         machine.get("platform"),
         f"LD_PRELOAD={machine['LD_PRELOAD']}" if machine.get("LD_PRELOAD") else None,
         f"XLA_FLAGS={machine['XLA_FLAGS']}" if machine.get("XLA_FLAGS") else None,
+        f"GLIBC_TUNABLES={machine['GLIBC_TUNABLES']}" if machine.get("GLIBC_TUNABLES") else None,
     ]
     versions = ", ".join(f"{name} {machine[name]}" for name in VERSIONS if machine.get(name))
     return "; ".join(p for p in parts if p) + (f"; {versions}" if versions else "")
