@@ -127,9 +127,10 @@ def write_explorer_page(
     frames, saved = saved_params(workdir / "checkpoints", template, params_of)
     frames = [(0, params_of(template.params))] + [f for f in frames if f[0] != 0]
     notes = [f"the untrained parameters and {len(frames) - 1} of the {saved} checkpoints kept"]
-    if config["train"].get("keep_checkpoints", 3):
+    keep = config["train"].get("keep_checkpoints", 3)
+    if keep and saved >= keep:  # older checkpoints may have been deleted
         notes.append(
-            f"the run kept its newest {config['train'].get('keep_checkpoints', 3)} checkpoints; train with "
+            f"the run kept its newest {keep} checkpoints; train with "
             "--config.train.keep_checkpoints=0 to keep every one and follow the whole training here"
         )
     data = run_page_data(config, setup, frames, metrics, workdir, prompt, notes)
