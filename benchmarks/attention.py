@@ -639,8 +639,11 @@ def library_user_main(args) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    title = "Attention on CPU as a library user meets it" + (
-        ", with jax.shard_map over heads" if args.shard_map else ""
+    default_name = "attention_library_user" + ("_shard_map" if args.shard_map else "")
+    title = (
+        "Attention on CPU as a library user meets it"
+        + (", with jax.shard_map over heads" if args.shard_map else "")
+        + ("" if args.name == default_name else f" ({args.name})")
     )
     path = write_results(
         args.name,

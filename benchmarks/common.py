@@ -25,10 +25,7 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
     }
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+        info.update(cpu_identity(pathlib.Path("/proc/cpuinfo").read_text()))
         meminfo = pathlib.Path("/proc/meminfo").read_text().split()
         info["memory_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / 2**20, 1)
     except (OSError, ValueError):
@@ -41,6 +38,31 @@ def machine() -> dict:
     info["LD_PRELOAD"] = os.environ.get("LD_PRELOAD", "")
     info["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
     info["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
+    return info
+
+
+def cpu_identity(cpuinfo: str) -> dict:
+    """The first CPU's model name, family/model numbers and widest vector ISA, from /proc/cpuinfo.
+
+    A virtual machine's model name can be as vague as "AMD EPYC": the family and model numbers
+    tell its generations apart (family 25 model 1 is Zen 3, model 17 Zen 4), and AVX-512 changes
+    both XLA's and torch's CPU kernels, so results from two such machines are not comparable.
+    """
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    info = {}
+    if "model name" in fields:
+        info["cpu"] = fields["model name"]
+    if "cpu family" in fields and "model" in fields:
+        info["cpu_model"] = f"family {fields['cpu family']} model {fields['model']}"
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for name in ("avx512f", "avx2", "avx", "sse4_2") if name in flags), None)
+    if isa:
+        info["cpu_isa"] = isa
     return info
 
 

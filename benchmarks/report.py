@@ -29,6 +29,8 @@ def describe_machine(machine: dict) -> str:
     """One line: CPU, cores, memory, platform, allocator, XLA flags, library versions."""
     parts = [
         machine.get("cpu", "unknown CPU"),
+        machine.get("cpu_model"),
+        machine.get("cpu_isa"),
         f"{machine['cpu_count']} cores" if machine.get("cpu_count") else None,
         f"{machine['memory_gib']} GiB" if machine.get("memory_gib") else None,
         machine.get("platform"),

@@ -141,6 +141,11 @@ function renderTokens() {
     if (example.marks.includes(s)) node.classList.add("marked");
     keys.appendChild(node);
   });
+  // Tokens are placed absolutely, so the columns do not grow with them: fit each to its widest.
+  for (const column of [queries, keys]) {
+    const widest = Math.max(0, ...Array.from(column.children, (node) => node.scrollWidth + 2));
+    column.style.width = widest + "px";
+  }
 }
 
 // Key shading and data-weight: the weight the current query puts on each key.
