@@ -604,7 +604,8 @@ def library_user_run(args) -> None:
         "python benchmarks/lm.py " + " ".join(sys.argv[1:]),
         {
             "title": "LM training step as a library call (CPU, one process"
-            + (f", GLIBC_TUNABLES={tunables})" if (tunables := os.environ.get("GLIBC_TUNABLES")) else ")"),
+            + (f", GLIBC_TUNABLES={tunables})" if (tunables := os.environ.get("GLIBC_TUNABLES")) else ")")
+            + ("" if args.name == "lm_library_user" else f" ({args.name})"),
             "table": lines,
             "ratios": ratios,
             "times_s": times,
