@@ -481,7 +481,7 @@ def cpu_main(args) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    title = "Attention on CPU" + ("" if args.name == "attention" else f" ({args.name})")
+    title = "Attention on CPU" + ("" if args.name == args.default_name else f" ({args.name})")
     path = write_results(
         args.name, command.strip(), {"title": title, **data, "table": table, "ratios": ratios}
     )
@@ -639,11 +639,10 @@ def library_user_main(args) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    default_name = "attention_library_user" + ("_shard_map" if args.shard_map else "")
     title = (
         "Attention on CPU as a library user meets it"
         + (", with jax.shard_map over heads" if args.shard_map else "")
-        + ("" if args.name == default_name else f" ({args.name})")
+        + ("" if args.name == args.default_name else f" ({args.name})")
     )
     path = write_results(
         args.name,
@@ -1299,12 +1298,13 @@ def parse_args(argv=None):
     unknown = sorted(set(args.impls) - set(CPU_IMPLS))
     if unknown:
         parser.error(f"--impls: unknown {unknown}; choose from {list(CPU_IMPLS)}")
+    args.default_name = (
+        "attention"
+        if not args.library_user
+        else "attention_library_user" + ("_shard_map" if args.shard_map else "")
+    )
     if args.name is None:
-        args.name = (
-            "attention"
-            if not args.library_user
-            else "attention_library_user" + ("_shard_map" if args.shard_map else "")
-        )
+        args.name = args.default_name
     if args.lengths is None and args.library_user:
         args.lengths = LIBRARY_QUICK_LENGTHS if args.quick else LIBRARY_LENGTHS
     if args.lengths is None:
