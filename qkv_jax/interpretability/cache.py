@@ -4,86 +4,89 @@
   hook_names    the names of a model with `num_layers` blocks, in forward order
   select_names  the names a `names_filter` picks (None, a name, names, or a predicate)
 
-Design of the capture and patching machinery (phase 2: it needs hook points
-in `qkv_jax/modules.py`, `qkv_jax/lm.py` and `qkv_jax/nnx.py`):
+Design of the capture and patching machinery (the next step: it needs hook
+points in `qkv_jax/modules.py`, `qkv_jax/lm.py` and `qkv_jax/nnx.py`):
 
-Hook points. One parameter-free identity module, `HookPoint` (linen:
-`__call__(x) -> x`; NNX: an `nnx.Module` doing the same), placed where each
-name of `HOOK_SHAPES` is computed, under the module path that names it:
-  TransformerLM:       hook_embed (token embedding), hook_pos_embed (broadcast to
-                       [..., T, D]), the final LayerNorm's hook_scale/hook_normalized.
-  TransformerBlock:    hook_resid_pre, hook_attn_out, hook_resid_mid, mlp_hook_pre
-                       (before the GELU), mlp_hook_post (after it), hook_mlp_out,
-                       hook_resid_post.
-  LayerNorm:           a qkv_jax `LayerNorm` with nn.LayerNorm's parameters ("scale",
-                       "bias", so checkpoints load unchanged) that computes
-                       centred / hook_scale(std) * scale + bias and passes
-                       hook_normalized (centred / std), so patching hook_scale
-                       freezes the norm (attention_norm -> ln1, mlp_norm -> ln2).
-  MultiHeadAttention:  hook_q [.., T, N, H], hook_k [.., S, K, H], hook_v [.., S, K, Hv]
-                       (after the projections; after RoPE when there is one; grouped
-                       K/V stay [K], as TransformerLens keeps them), hook_kv_latent
-                       (MLA), hook_attn_scores and hook_pattern [.., n, T, S] for the
-                       requested heads only (see below), hook_z [.., T, N, Hv] (the
-                       input of W_O, after head_mask), hook_result [.., T, N, D] when
-                       requested (the output is then the sum of the hooked per-head
-                       results plus b_O, so patching a head's result changes it).
-The TransformerLens name of a hook point is its path with the renames block_l
--> blocks.l, attention -> attn, attention_norm -> ln1, mlp_norm -> ln2,
-final_norm -> ln_final, mlp_hook_pre/post -> mlp.hook_pre/post.
+1. Hook points. `modules.HookPoint`, a parameter-free linen module with
+`__call__(x) -> x`, and its `nnx.Module` twin in `nnx.py`. A hook point's
+name is its module path, renamed: block_l -> blocks.l, attention -> attn,
+attention_norm -> ln1, mlp_norm -> ln2, final_norm -> ln_final,
+mlp_hook_pre/post -> mlp.hook_pre/post (linen and nnx paths are the same:
+the nnx attributes carry the linen names). Placement:
+  TransformerLM (lm.py, nnx.py): hook_embed after the token embedding,
+    hook_pos_embed (broadcast to [..., T, D]) before the sum.
+  TransformerBlock: hook_resid_pre on entry, hook_attn_out on the attention's
+    output, hook_resid_mid, mlp_hook_pre (before the GELU), mlp_hook_post,
+    hook_mlp_out, hook_resid_post.
+  LayerNorm: a `modules.LayerNorm` with nn.LayerNorm's parameters ("scale",
+    "bias": checkpoints load unchanged) computing centred / hook_scale(std)
+    * scale + bias with hook_normalized(centred / std) in between, so
+    patching hook_scale freezes the norm (TransformerLens's trick); the
+    blocks' and the final norm use it (nnx: the same with nnx parameters).
+  MultiHeadAttention: `AttentionLayers` gains two fields, `hook: (name, x)
+    -> x` and `request: AttentionRequest`. Linen's `_layers` sets
+    hook = lambda name, x: HookPoint(name=name, parent=self)(x) and nnx's
+    routes to its `hooks` dict of HookPoint submodules; the pure functions
+    call it: `project_inputs` on hook_q (after query_ln, and after RoPE when
+    there is one), hook_k, hook_v, or hook_kv_latent (the T new positions,
+    before the decode cache); `attend_entries` on hook_z (after head_mask, the
+    input of W_O) and, when `request.head_results`, on hook_result =
+    einsum(z, effective W_O) [.., T, N, D], the output then being its sum
+    over heads plus b_O (so a patched head result acts).
 
-run_with_cache(model, variables, tokens, names_filter=None, **apply_kwargs)
--> (logits, {name: array}): `model.apply(..., capture_intermediates=f,
-mutable=["intermediates"])` with f(module, method) true for a HookPoint's
-`__call__` whose name `select_names` picks; the captured
-`intermediates/.../hook_q/__call__` entries are renamed. Under `jax.jit` the
-names are static (a closure or static argument) and unselected hook points
-cost nothing (XLA drops them). NNX: `nnx.capture(model, nnx.Intermediate)`,
-each HookPoint sowing `nnx.Intermediate` only when its static `capture` flag,
-set from the filter before tracing, is on.
+2. Patterns only for the heads asked for. `request.pattern_heads`, a static
+tuple of head indices, default (). The attention computes its output on its
+usual path (chunked, cuDNN, XLA, or MLA absorbed); then, for those heads
+only, scores = q_h k_(h // G)^T * scale with the masks (-inf where masked;
+on the absorbed path from the query's latent projection, plus q_h b_K *
+scale so that the scores equal the rebuilt-K path's), hook_attn_scores,
+softmax, hook_pattern, and those heads' outputs are replaced by
+pattern @ v (so a patched pattern acts, as in TransformerLens). O(T S)
+memory per requested head, nothing for the others; `sow_weights` stays as
+it is. Linen: `MultiHeadAttention.interpretability_request(self) ->
+AttentionRequest` returns the default; run_with_cache answers it through
+`nn.intercept_methods`, for the module at (block_l, attention), from the
+names filter (hook_pattern or hook_attn_scores of layer l: every head, or
+the heads given in `pattern_heads={l: (h, ...)}`; hook_result of layer l:
+head_results). nnx: a static `request` attribute of the nnx attention,
+set by run_with_cache before tracing.
 
-Patterns without materialising them. `MultiHeadAttention` gains one method,
-`interpretability_request(self) -> AttentionRequest`, returning by default
-`AttentionRequest(pattern_heads=(), head_results=False)` (a frozen dataclass
-of static Python values). Before computing the attention it calls it; the
-fast path (chunked, cuDNN, XLA, or MLA absorbed) computes the output as
-today, and for the heads in `pattern_heads` only, the module computes
-scores = q_h k_{h // G}^T * scale (plus masks, bias and the MLA
-absorbed path's q b_K term), passes them through hook_attn_scores, softmaxes,
-passes hook_pattern, and replaces those heads' outputs by pattern @ v (so a
-patched pattern acts, as in TransformerLens). run_with_cache and the patching
-functions wrap `model.apply` in `nn.intercept_methods(interceptor)`; the
-interceptor answers `interpretability_request` for the module at path
-(block_l, attention) from the names filter and a `pattern_heads={l: heads}`
-argument (all heads when the filter names the layer's hook_pattern), and
-calls the method itself for every other module. Cost: O(T S) memory per
-requested head, nothing for the others. NNX: the same request is a static
-attribute of the NNX MultiHeadAttention, set by run_with_cache before tracing.
+3. run_with_cache(model, variables, tokens, names_filter=None,
+pattern_heads=None, **apply_kwargs) -> (logits, {name: array}):
+`model.apply(..., capture_intermediates=f, mutable=["intermediates"])`
+inside the interceptor of 2, with f(module, method) true for a HookPoint's
+`__call__` whose name `select_names` picks; the captured `.../__call__`
+entries are renamed. Names are static (jit with them closed over or static):
+unselected hook points are identities XLA removes. nnx:
+`nnx.capture(model, nnx.Intermediate)` with each HookPoint sowing only when
+its static `capture` flag, set from the filter before tracing, is on.
 
-Patching. `run_with_hooks(model, variables, tokens, hooks={name: fn})`: the
-interceptor replaces a HookPoint's input x by fn(x) before calling it (and a
-capture on the same call sees the patched value). Helpers build the fns:
-`replace(source, heads=None, positions=None)` is
-where(mask, source, x) with mask `[.., T|1, N|1, 1]` from boolean or index
-selections, which may be traced; `ablate(kind="zero"|"mean")`. A sweep over
-(layer, head) with a traced pair (l, h): hooks for every layer's hook_z, each
-`where((layer == l) & head_onehot(h) [N, 1], clean_z[layer], x)`, so one
-program serves every pair; `patching_sweep(model, variables, tokens,
-clean_cache, metric, hook="attn.hook_z", over="heads"|"positions",
-batch_size=None)` evaluates `jax.vmap` of it over all L x N (or L x T) pairs,
-or `jax.lax.map(..., batch_size=batch_size)` over chunks of them, and returns
-metric(logits) as a `[L, N]` (or `[L, T]`) matrix: one compilation, no
-Python loop over pairs. NNX: HookPoint holds optional `Patch` variables
-(replacement, mask; state, so traced and vmappable with `nnx.vmap`).
+4. Patching. run_with_hooks(model, variables, tokens, hooks={name: fn}):
+an `nn.intercept_methods` interceptor that, for a HookPoint's `__call__`
+with a name in `hooks`, calls it on fn(x) instead of x (a capture of the
+same call sees the patched value). Builders: `replace(source, heads=None,
+positions=None)` = where(mask, source, x) with the mask `[.., T|1, N|1, 1]`
+made from boolean or index selections that may be traced, and
+`ablate("zero" | "mean")`. A sweep over (layer, head): one traced pair
+(l, h), hooks on every layer's hook_z, each where((layer == l) &
+(arange(N) == h)[:, None], clean_z[layer], x); `patching_sweep(model,
+variables, tokens, clean_cache, metric, hook="attn.hook_z",
+over="heads" | "positions", batch_size=None)` maps it with `jax.vmap` over
+all L x N (or L x T, on hook_resid_pre) pairs, or `jax.lax.map(...,
+batch_size=batch_size)` over chunks, and returns metric(logits) as an
+[L, N] (or [L, T]) matrix: one compilation, no Python loop. nnx: HookPoint
+holds optional `Patch` variables (replacement, mask): state, so traced and
+mapped with `nnx.vmap`.
 
-Generation with the KV cache. `generate_with_cache(model, params, prompt,
-max_new_tokens, names_filter, ...)` runs `qkv_jax.lm.sample_tokens`'s loop
-with the captured `apply` in the prefill and in the `lax.scan` step, the
-step's captures being a scan output: returns (tokens, prefill cache, step
-cache with a leading [max_new_tokens - 1] axis). In decode mode hook_k/hook_v
-(and hook_kv_latent) hold the T positions computed in the call, hook_pattern
-and hook_attn_scores all L cached slots (zero weight / -inf beyond the
-filled ones); hooks and patches work the same way in the step.
+5. Generation with the KV cache. `lm.sample_with_cache` gains `has_aux`:
+`step` then returns (logits, cache, aux) and it returns (tokens, the
+prefill's aux, the steps' aux stacked [max_new_tokens - 1, ...] as a
+`lax.scan` output). `generate_with_cache(model, params, prompt,
+max_new_tokens, names_filter, ...)` passes a step that applies the model
+with the capture (and hooks) of 3 and 4 and returns the captures as aux.
+In a decode call hook_k/hook_v/hook_kv_latent hold the T new positions,
+hook_attn_scores/hook_pattern all L cache slots (-inf / 0 beyond the
+filled ones).
 """
 
 from __future__ import annotations
