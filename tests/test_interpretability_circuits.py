@@ -6,6 +6,7 @@ functions read its cache, and tests/test_transformer_lens_parity.py uses it
 to check TransformerLens's own activations on the converted model.
 """
 
+import functools
 import subprocess
 import sys
 
@@ -216,8 +217,8 @@ def test_lora_adapters_are_added_to_the_kernels():
         circuits.head_weights({"query": {}})
 
 
-def test_head_weights_and_scores_under_jit(case):
-    config, params, _, _, _ = case
+def test_head_weights_scores_and_attribution_under_jit(case):
+    config, params, _, _, acts = case
     eager = _weights(config, params, fold_layer_norm=True)
     jitted = jax.jit(circuits.head_weights, static_argnames="fold_layer_norm")(
         params, lora_alpha=config.lora_alpha, fold_layer_norm=True
@@ -228,6 +229,13 @@ def test_head_weights_and_scores_under_jit(case):
         jax.jit(circuits.composition_scores, static_argnames="mode")(eager, mode="K"),
         circuits.composition_scores(eager, "K"),
         atol=1e-6,
+    )
+    answer = np.array([[1], [2], [3]])
+    attribute = functools.partial(attribution.direct_logit_attribution, lora_alpha=config.lora_alpha)
+    np.testing.assert_allclose(
+        jax.jit(lambda *args: attribute(*args)[0])(acts, params, answer),
+        attribute(acts, params, answer)[0],
+        atol=1e-5,
     )
 
 
