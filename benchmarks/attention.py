@@ -8,7 +8,7 @@ r"""Attention time and memory: our paths against jax.nn, Flax and PyTorch.
   python benchmarks/attention.py --gpu-check [--dry-run] [--out FILE]  # benchmarks/gpu_check.sh
 
 CPU run: batch 8, 8 heads, head dim 64, float32, T = S in --lengths (default
-64, the dispatch threshold, and the issue's 128 to 8192), causal
+64, the dispatch threshold, and 128 to 8192), causal
 and not, forward and forward+backward (the gradient of half the output's
 squared norm with respect to query, key and value: training needs the output,
 and the gradient of a plain sum would let XLA skip the forward's last matmul):
@@ -417,7 +417,7 @@ def time_table(records: list[dict], impls: list[str]) -> list[str]:
 
 
 def acceptance_ratios(records: list[dict], allocator: str) -> dict:
-    """The issue's acceptance figures: time ratios (above 1: the first is slower) and peaks."""
+    """The headline figures: time ratios (above 1: the first is slower) and peaks."""
 
     def key(r):
         return r["T"], r["causal"], r["pass_"], r["impl"]
@@ -571,7 +571,7 @@ def library_case(T: int, causal: bool, pass_: str, impls: list[str], rounds: int
 
 
 def library_report(records: list[dict]) -> tuple[list[str], dict]:
-    """Markdown table (median ms, ratio to torch) and the ratios the issue asks for."""
+    """Markdown table (median ms, ratio to torch) and the headline ratios."""
     sharded = any(SHARD_MAP in r["times_s"] for r in records)
     columns = ["qkv_jax", *([SHARD_MAP] if sharded else []), "jax.nn", "torch"]
     compared = ["qkv_jax", *([SHARD_MAP] if sharded else []), "jax.nn"]
@@ -973,7 +973,7 @@ def case_label(case: GpuCase) -> str:
 
 
 def gpu_report(cases: list[GpuCase], records: list[dict]) -> tuple[list[str], dict]:
-    """Markdown table (one row per case) and the ratios the issue asks for."""
+    """Markdown table (one row per case) and the headline ratios."""
     index = {(r["case"], r["impl"]): r for r in records}
     header = "| case | default path | " + " | ".join(GPU_IMPL_NAMES[i] for i in GPU_IMPLS) + " |"
     table = [header, "|---|---|" + "---|" * len(GPU_IMPLS)]

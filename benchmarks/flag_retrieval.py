@@ -1,9 +1,9 @@
-r"""Seed 000's flag experiment: our launcher against the seed's PyTorch loop.
+r"""The flag-retrieval job: our launcher against the same training loop written in plain PyTorch.
 
   python benchmarks/flag_retrieval.py [--rounds 3]
 
 In interleaved rounds, each a fresh process:
-  torch         benchmarks/seed000_torch.py (the seed's loop), default threads
+  torch         benchmarks/flag_retrieval_torch.py (the PyTorch reference loop), default threads
   torch-1t      the same with torch.set_num_threads(1)
   ours-cold     python -m experiments.train (defaults) with an empty compilation cache
   ours-warm     the same command again, the cache now filled
@@ -63,9 +63,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             tmp = pathlib.Path(tmp)
-            wall, out = run_timed([PYTHON, "benchmarks/seed000_torch.py"])
+            wall, out = run_timed([PYTHON, "benchmarks/flag_retrieval_torch.py"])
             runs["torch"].append({"process_s": wall, **last_json_line(out)})
-            wall, out = run_timed([PYTHON, "benchmarks/seed000_torch.py", "--threads", "1"])
+            wall, out = run_timed([PYTHON, "benchmarks/flag_retrieval_torch.py", "--threads", "1"])
             runs["torch-1t"].append({"process_s": wall, **last_json_line(out)})
             runs["ours-cold"].append(ours(tmp / "cold", tmp / "cache", env))
             runs["ours-warm"].append(ours(tmp / "warm", tmp / "cache", env))
@@ -86,14 +86,14 @@ def main() -> None:
     }
     rows = [
         (
-            "PyTorch seed loop, default threads",
+            "PyTorch reference loop, default threads",
             med["torch"]["process_s"],
             med["torch"]["import_s"],
             None,
             med["torch"]["loop_s"],
         ),
         (
-            "PyTorch seed loop, 1 thread",
+            "PyTorch reference loop, 1 thread",
             med["torch-1t"]["process_s"],
             med["torch-1t"]["import_s"],
             None,

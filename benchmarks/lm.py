@@ -32,8 +32,8 @@ once with glibc malloc and once with tcmalloc preloaded
                corpus windows), tokens/s, with torch's default threads and with 1
                (on a busy machine 2 OpenMP threads can be several times slower than 1).
 Models: `char_lm` (configs/char_lm.py: 2 layers, d_model 128, 4 heads,
-sequence 256, batch 16) and `small_lm` (issue 6: 2 layers, d_model 128, 4
-heads, sequence 128, batch 32, AdamW). Medians over interleaved rounds.
+sequence 256, batch 16) and `small_lm` (2 layers, d_model 128, 4 heads,
+sequence 128, batch 32, AdamW). Medians over interleaved rounds.
 Writes benchmarks/results/lm.json.
 """
 
@@ -71,7 +71,7 @@ DECODE_BATCHES = (1, 8)
 
 
 def model_config(name: str) -> dict:
-    """configs/char_lm.py, or its issue-6 small-LM shape."""
+    """configs/char_lm.py, or its `small_lm` shape (sequence 128, batch 32)."""
     from configs import char_lm
 
     config = char_lm.get_config()
@@ -267,7 +267,7 @@ def worker_torch_train(name: str, steps: int, threads: int | None) -> dict:
     }
 
 
-# issue 19, finding 5: the LM training step on a GPU, against torch eager and torch.compile.
+# The LM training step on a GPU, against torch eager and torch.compile.
 GPU_LM = {"vocab_size": 256, "num_layers": 6, "d_model": 768, "num_heads": 12, "max_len": 1024}
 GPU_LM_DRY = {"vocab_size": 256, "num_layers": 2, "d_model": 64, "num_heads": 4, "max_len": 64}
 GPU_BATCH = 16
@@ -356,7 +356,7 @@ def torch_lm_step_s(shape: dict, steps: int, compiled: bool) -> float:
 
 
 def gpu_run(steps: int, dry_run: bool) -> None:
-    """benchmarks/gpu.sh's LM step: ms per training step of the issue-19 LM (6 layers, d_model
+    """benchmarks/gpu.sh's LM step: ms per training step of the GPU-sized LM (6 layers, d_model
     768, 12 heads, T 1024, batch 16, vocab 256, bf16 compute, AdamW) in JAX and in torch eager
     and torch.compile, with TFLOP/s and model FLOPs utilisation; then KV-cache decoding of the
     char LM. Writes benchmarks/results/lm_gpu.json unless `dry_run` (tiny shapes, any device)."""
@@ -754,7 +754,7 @@ def main() -> None:
                 "speedup"
             ]
         same_cache = r["decode"]["same_cache_bytes"]
-        for batch in SAME_CACHE_BATCHES:  # issue 15's target: GQA-2 / absorbed MLA <= 1.25
+        for batch in SAME_CACHE_BATCHES:  # the aim at equal cache bytes: GQA-2 / absorbed MLA <= 1.25
             ratios[f"{allocator}/decode_gqa2_over_mla64_absorbed_batch{batch}"] = (
                 same_cache["gqa_kv2"][f"batch{batch}"] / same_cache["mla_latent64"][f"batch{batch}"]
             )

@@ -1,4 +1,4 @@
-r"""Seed 001: a small character-level causal language model on the Python standard library.
+r"""A small character-level causal language model on the Python standard library.
 
 Train (a few minutes on 2 CPU cores; reads the installed standard library's .py
 files, no download), then sample from the newest checkpoint:
@@ -11,7 +11,7 @@ Any text file instead of the standard library (its last 10% validates):
   python -m experiments.train --config configs/char_lm.py --workdir runs/my_text \
     --config.data.path=/path/to/file.txt
 
-Grouped-query, multi-query and latent attention (seed 001's K/V variants):
+Grouped-query, multi-query and latent attention (fewer or compressed K/V heads):
 
   python -m experiments.train --config configs/char_lm.py --workdir runs/char_lm_mqa \
     --config.model.num_kv_heads=1
@@ -35,7 +35,7 @@ or uptrain it as grouped-query attention (its K/V heads mean-pooled into 2):
     --config.train.init_from=runs/char_lm --config.train.convert_kv_heads=True \
     --config.model.num_kv_heads=2 --config.train.steps=50
 
-Variant `gpu`: the shape of issue 19's GPU measurements (6 layers, d_model 768,
+Variant `gpu`: the LM whose training step benchmarks/gpu.sh times (6 layers, d_model 768,
 12 heads, 1024-character windows, batch 16, bfloat16 compute with float32
 parameters), for an accelerator:
 
@@ -57,7 +57,7 @@ from configs import common
 SIZES = {
     "default": dict(layers=2, width=128, heads=4, seq_len=256, steps=500, checkpoint_every=250, sample=200),
     "study": dict(layers=2, width=128, heads=8, seq_len=128, steps=300, checkpoint_every=300, sample=100),
-    # issue 19's GPU shape (an accelerator's: bf16 compute; minutes on a CPU per step).
+    # The GPU-sized shape (an accelerator's: bf16 compute; minutes on a CPU per step).
     "gpu": dict(layers=6, width=768, heads=12, seq_len=1024, steps=2000, checkpoint_every=500, sample=200),
 }
 VARIANTS = tuple(SIZES)

@@ -1,4 +1,4 @@
-r"""Seed 000, section 4: learned Q/K/V attention finds a flagged token; static attention cannot.
+r"""Flag retrieval: learned Q/K/V attention finds a flagged token; static attention cannot.
 
 The main job (about 5 s on 2 CPU cores):
 
@@ -16,7 +16,7 @@ Variants (`--config configs/flag_retrieval.py:<variant>`):
              python -m experiments.train --config configs/flag_retrieval.py:two_flag \
                --workdir runs/two_flag --config.model.num_heads=2
 
-  thermostat seed 000's model at d_k=256, where the 1/sqrt(d_k) scale matters:
+  thermostat the learned-query model at d_k=256, where the 1/sqrt(d_k) scale matters:
              python -m experiments.train --config configs/flag_retrieval.py:thermostat \
                --workdir runs/thermostat --config.model.scaled=False
 
@@ -42,7 +42,7 @@ def get_config(arg=None):
     config = common.base("flag_retrieval")
 
     config.model = ml_collections.ConfigDict()
-    # learned_query (seed 000's module), static (no parameters) or multihead.
+    # learned_query (one learned query vector with W_q, W_k, W_v), static (no parameters) or multihead.
     config.model.kind = {"static": "static", "multihead": "multihead", "two_flag": "multihead"}.get(
         variant, "learned_query"
     )
@@ -57,7 +57,7 @@ def get_config(arg=None):
         config.model.d_v = 12
     # Attention heads (multihead only; the others have one).
     config.model.num_heads = 2 if variant in ("multihead", "two_flag") else 1
-    # Divide logits by sqrt(head depth), seed 002's thermostat; False = unscaled.
+    # Divide logits by sqrt(head depth) (the softmax's thermostat); False = unscaled.
     config.model.scaled = True
     # Matmul precision (flax's `precision`): default, high or highest; unset = JAX's default.
     config.model.precision = ml_collections.config_dict.placeholder(str)
@@ -68,7 +68,7 @@ def get_config(arg=None):
     # Flag channels; the target is the content at every flagged position.
     config.task.num_flags = 2 if variant == "two_flag" else 1
 
-    # Adam at the seed's learning rate.
+    # Adam at the PyTorch reference loop's learning rate (benchmarks/flag_retrieval_torch.py).
     config.train = common.train(steps=2000, batch_size=32, learning_rate=0.01)
     config.mesh = common.mesh()
 

@@ -1,4 +1,4 @@
-r"""docs/experiments.md: each seed claim, the command that measures it, the result.
+r"""docs/experiments.md: each claim about attention, the command that measures it, the result.
 
   python -m docs.generate experiments                # every study
   python -m docs.generate experiments --only two_flag_heads
@@ -70,7 +70,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-# --- Seed 000: learned against static attention ---------------------------------------
+# --- Flag retrieval: learned against static attention ----------------------------------------
 
 
 def flag_learned_vs_static() -> str:
@@ -117,7 +117,7 @@ def flag_learned_vs_static() -> str:
         f"{fmt(100 * learned['eval_accuracy'])}% of {learned_examples(learned)} fresh examples "
         f"(untrained: {fmt(100 * learned['untrained']['eval_accuracy'])}%), with final training "
         f"loss {fmt(learned['final_loss'], 3)}. "
-        + ("Seed 000's claim holds. " if solved else "Seed 000's claim does not fully hold here. ")
+        + ("The claim holds. " if solved else "The claim does not fully hold here. ")
         + f"Static attention, with nothing to learn, reaches {fmt(100 * static['eval_accuracy'])}%"
         + (
             " (chance is 20%): embedding similarity alone does not find the flag."
@@ -127,13 +127,14 @@ def flag_learned_vs_static() -> str:
     )
     return "\n".join(
         [
-            "## Seed 000: learned Q/K/V find the flagged token; static attention does not",
+            "## Flag retrieval: learned Q/K/V find the flagged token; static attention does not",
             "",
-            "**Question.** Seed 000 (section 4) trains a learned query vector with W_q, W_k, W_v on a task "
-            "where each of 5 tokens carries fresh random content and one flag channel marks the position "
-            "whose content is the target. It reports the loss near zero by step 400 and the flagged "
-            "position top-attended on 10 of 10 fresh examples, and argues that static attention, with "
-            "nothing trainable, cannot do this.",
+            "**Question.** In the flag-retrieval task each of 5 tokens carries fresh random content and "
+            "one flag channel marks the position whose content is the target, so raw embedding similarity "
+            "carries no signal. The claim: a learned query vector with W_q, W_k, W_v learns to find the "
+            "flagged position, and static attention, with nothing trainable, cannot. The same training "
+            "loop in plain PyTorch (`benchmarks/flag_retrieval_torch.py`) reaches a loss near zero by "
+            "step 400 and top-attends the flagged position on 10 of 10 fresh examples.",
             "",
             "**Commands.**",
             "",
@@ -158,7 +159,7 @@ def learned_examples(summary: dict) -> str:
     return f"{config['eval']['num_examples']:,}"
 
 
-# --- Seed 000's open question: several heads against one wider head ---------------------
+# --- An open question: several heads against one wider head ----------------------------------
 
 
 def two_flag_heads() -> str:
@@ -214,11 +215,11 @@ def two_flag_heads() -> str:
         answer += "The measured separation between one head and several is not clean; see the table."
     return "\n".join(
         [
-            "## Seed 000's open question: several heads or one wider head?",
+            "## Several heads or one wider head?",
             "",
-            "**Question.** Seed 000 ends by asking what a layer gains from several independently trained "
-            'heads compared with one head with a proportionally bigger d_k: "does a single head have any '
-            'way to simultaneously prioritize two genuinely different notions of relevance at once?"',
+            "**Question.** What does a layer gain from several independently trained heads compared "
+            "with one head with a proportionally bigger d_k? Can a single head serve two genuinely "
+            "different notions of relevance at once?",
             "",
             "**Design.** A task that needs two notions of relevance at once: two flag channels mark two "
             "different positions, and the target is both flagged contents side by side (6 + 6 numbers). "
@@ -284,9 +285,9 @@ def flag_min_dk() -> str:
         [
             "## The smallest d_k that solves the one-flag task",
             "",
-            "**Question.** How wide must the learned query/key projection be for seed 000's task?",
+            "**Question.** How wide must the learned query/key projection be for the flag-retrieval task?",
             "",
-            f"**Command:** `{shown(command)}` (seed 000's model and training, 8 seeds per width).",
+            f"**Command:** `{shown(command)}` (the flag-retrieval model and training, 8 seeds per width).",
             "",
             table(["d_k", "accuracy", "final training loss", "first logged step with loss < 1e-2"], body),
             "",
@@ -297,7 +298,7 @@ def flag_min_dk() -> str:
     )
 
 
-# --- Seed 002's thermostat ---------------------------------------------------------------
+# --- The softmax's thermostat: the 1/sqrt(d_k) scale -----------------------------------------
 
 
 def thermostat() -> str:
@@ -335,7 +336,7 @@ def thermostat() -> str:
         f"{fmt(init(unscaled, 'entropy'), 3)} nats and put {fmt(init(unscaled, 'max_weight'), 3)} of their "
         f"weight on one position, against {fmt(init(scaled, 'entropy'), 3)} nats and "
         f"{fmt(init(scaled, 'max_weight'), 3)} with the scale (uniform over 5: 1.609 and 0.2): the softmax "
-        "starts near one-hot, as seed 002 says. "
+        "starts near one-hot, as the common explanation says. "
         + (
             f"It does pass back less: per unit of logit scale the gradient at W_q is "
             f"{fmt(init(unscaled, 'grad_query_per_scale'), 3)} against "
@@ -355,7 +356,8 @@ def thermostat() -> str:
             f"({fmt(init(unscaled, 'grad_query') / init(scaled, 'grad_query'), 2)}x larger), and at W_k "
             f"{fmt(init(unscaled, 'grad_key'), 3)} against {fmt(init(scaled, 'grad_key'), 3)}: the scale "
             "multiplies the gradient as it multiplies the logits, and its factor 1/sqrt(d_k) outweighs the "
-            "saturation. So the mechanism as seed 002 words it (unscaled logits starve the query and key "
+            "saturation. So the mechanism as the common explanation words it (unscaled logits starve the "
+            "query and key "
             "gradients) is refuted here; what the thermostat keeps in range is the logits, and with them "
             "the softmax's sensitivity, not the size of the weight gradients (which Adam normalises anyway). "
             if not starved
@@ -368,19 +370,19 @@ def thermostat() -> str:
     )
     return "\n".join(
         [
-            "## Seed 002's thermostat: what dividing by sqrt(d_k) does to the gradients",
+            "## The softmax's thermostat: what dividing by sqrt(d_k) does to the gradients",
             "",
-            "**Question.** Seed 002 calls the 1/sqrt(d_k) scale a thermostat on the softmax: dot products "
+            "**Question.** The 1/sqrt(d_k) scale is often called a thermostat on the softmax: dot products "
             "grow with the key length, big logits make the softmax near one-hot, and a near one-hot row "
             "passes almost no gradient. Measured here is that mechanism, not only its effect: the norm of "
             "the loss gradient reaching W_q and W_k, and how peaked the attention rows are.",
             "",
-            "**Design.** Seed 000's model and task (`configs/flag_retrieval.py:thermostat`) at d_k = 8 to "
-            "1024, with and without the scale, 4 seeds per cell trained together. Every 10 steps (and "
-            "before the first) a probe measures the gradient of the loss on 8 fixed training batches with "
-            "respect to W_q and W_k, that gradient divided by the logits' scale (what the softmax passes "
-            "back to the logits: logits = scale x q.k, so the weight gradient carries the scale once), and "
-            "the attention rows' entropy and largest weight on the evaluation examples "
+            "**Design.** The flag-retrieval model and task (`configs/flag_retrieval.py:thermostat`) at "
+            "d_k = 8 to 1024, with and without the scale, 4 seeds per cell trained together. Every 10 steps "
+            "(and before the first) a probe measures the gradient of the loss on 8 fixed training batches "
+            "with respect to W_q and W_k, that gradient divided by the logits' scale (what the softmax "
+            "passes back to the logits: logits = scale x q.k, so the weight gradient carries the scale "
+            "once), and the attention rows' entropy and largest weight on the evaluation examples "
             "(`qkv_jax/training/attention_studies.py`).",
             "",
             f"**Command:** `{shown(command)}`",
@@ -394,7 +396,7 @@ def thermostat() -> str:
     )
 
 
-# --- Seed 001: the causal mask, and sharing K/V heads ----------------------------------
+# --- Language models: the causal mask, and sharing K/V heads ---------------------------------
 
 
 def lm_causal_mask() -> str:
@@ -421,7 +423,7 @@ def lm_causal_mask() -> str:
         )
         + ". "
         + (
-            "Seed 001's claim holds: the mask is what makes the training signal honest, and the "
+            "The claim holds: the mask is what makes the training signal honest, and the "
             "samples below show what each model generates."
             if cheats and honest_worse
             else "The measurement does not show the claimed gap."
@@ -429,10 +431,10 @@ def lm_causal_mask() -> str:
     )
     return "\n".join(
         [
-            "## Seed 001: the causal mask is a training constraint",
+            "## The causal mask is a training constraint",
             "",
-            "**Question.** Seed 001: \"Without [the causal mask], the model could 'predict' the next "
-            'token by simply looking at it, learning nothing." The same character-level transformer '
+            "**Question.** The claim: without the causal mask, the model could 'predict' the next token "
+            "by simply looking at it, learning nothing. The same character-level transformer "
             "(`configs/char_lm.py:study`: 2 layers, d_model 128, 8 heads, 128-character windows of the "
             "Python standard library, 300 AdamW steps) is trained with and without the mask. Training "
             "loss is measured as trained; validation loss always with the mask (honest), and samples "
@@ -490,11 +492,11 @@ def lm_kv_heads() -> str:
     )
     return "\n".join(
         [
-            "## Seed 001: sharing K/V heads trades quality for a smaller cache",
+            "## Sharing K/V heads trades quality for a smaller cache",
             "",
-            '**Question.** Seed 001: "cutting heads has a quality cost (MQA/GQA): fewer key/value heads '
-            'means fewer distinct views", and MQA/GQA/MLA are decisions about the shape of the K/V '
-            "projections, paid back at inference as a smaller KV cache.",
+            "**Question.** The claim: cutting key/value heads (MQA/GQA) has a quality cost, as fewer "
+            "key/value heads means fewer distinct views, and MQA/GQA/MLA are decisions about the shape of "
+            "the K/V projections, paid back at inference as a smaller KV cache.",
             "",
             "**Design.** `configs/char_lm.py:study` (2 layers, d_model 128, 8 query heads, 300 AdamW steps "
             "on the standard library) with K/V heads 8 (MHA), 4 and 2 (GQA), 1 (MQA), and multi-head "
@@ -502,7 +504,7 @@ def lm_kv_heads() -> str:
             f"Each variant trains {seeds} seeds together through the sweep launcher. The seeds are the "
             "same for every variant, and so are the batches each seed sees and the initial values of the "
             "parameters the variants share, so the comparison with MHA is paired per seed: intervals are "
-            "t-intervals of the per-seed differences (`qkv_jax/training/stats.py`). Cache bytes come "
+            "t-intervals of the per-seed differences (`qkv_jax/studies/stats.py`). Cache bytes come "
             "from the cache's shapes, decode speed from `qkv_jax.lm.generate` (a 1-token prompt, 127 new "
             "tokens; MLA with weight absorption, and in brackets rebuilding K and V every step).",
             "",
@@ -633,7 +635,7 @@ def induction_heads() -> str:
         [
             "## Induction heads: when they form, and what they compose with",
             "",
-            "**Question.** Seed 001 reads attention heads as learned relations. Induction heads are the "
+            "**Question.** Attention heads can be read as learned relations. Induction heads are the "
             "best-known learned relation in small language models: does one form here, when, and does it "
             "compose with a previous-token head in the layer below?",
             "",
@@ -657,7 +659,7 @@ def induction_heads() -> str:
     )
 
 
-# --- Issue 16: fine-tuning the learned projections -------------------------------------
+# --- Fine-tuning the learned projections -----------------------------------------------------
 
 FINETUNE_PRETRAINED = "runs/studies/lm_pretrain"
 
@@ -775,8 +777,8 @@ def lm_lora_finetune() -> str:
         [
             "## Fine-tuning the learned projections: LoRA against full fine-tuning",
             "",
-            '**Question.** Seed 001: "the learnable objects are W_Q, W_K, W_V, W_O per head: that is what a '
-            'fine-tune or a LoRA adapter actually modifies". How much of a full fine-tune does a low-rank '
+            "**Question.** The learnable objects of attention are W_Q, W_K, W_V, W_O per head: they are "
+            "what a fine-tune or a LoRA adapter modifies. How much of a full fine-tune does a low-rank "
             "adapter on those projections buy, per trainable parameter?",
             "",
             "**Design.** The char LM of `configs/char_lm.py:study` (2 layers, d_model 128, 8 heads, 300 "
@@ -858,10 +860,10 @@ def lm_kv_conversion() -> str:
         [
             "## MHA -> GQA/MQA: converting a trained model's K/V heads, then uptraining",
             "",
-            '**Question.** Seed 001 calls MQA/GQA/MLA "a decision about the shape of the K/V projections '
-            'made at design/training time, then paid back at inference". Can the decision be made after '
-            "training? Ainslie et al. (2023) convert a multi-head checkpoint by mean-pooling each group's "
-            "key and value heads and uptrain it for a few percent of the original steps.",
+            "**Question.** MQA/GQA/MLA are usually described as a decision about the shape of the K/V "
+            "projections, made at design/training time and paid back at inference. Can the decision be "
+            "made after training? Ainslie et al. (2023) convert a multi-head checkpoint by mean-pooling "
+            "each group's key and value heads and uptrain it for a few percent of the original steps.",
             "",
             f"**Design.** Each seed's pre-trained MHA char LM (8 heads, {steps} steps, "
             f"`{FINETUNE_PRETRAINED}`) is converted on load to 2 K/V heads (GQA-2) and to 1 (MQA) "
@@ -943,7 +945,7 @@ def lm_head_ablation() -> str:
         f"The head a diagnostic singles out is the costliest head in at most {singled_out} of {seeds} seeds. "
         + (
             "So the heads the diagnostics call special matter more only in the sense that they sit in the "
-            "layer that matters; head by head, seed 001's caution holds: the attention pattern is a weak "
+            "layer that matters; head by head, the caution holds: the attention pattern is a weak "
             "guide to what a head is worth."
             if len(predictive) <= 1 and singled_out <= seeds // 2
             else "So here the diagnostics do pick out the heads that matter."
@@ -953,9 +955,9 @@ def lm_head_ablation() -> str:
         [
             "## Head ablation: do the heads the diagnostics call special matter most?",
             "",
-            '**Question.** Seed 001: "don\'t over-interpret individual heads". qkv_jax reports per-head '
-            "diagnostics (attention entropy, weight on the previous token, induction score). Does a head "
-            "that looks special by them matter more to the model's predictions?",
+            "**Question.** A common caution: don't over-interpret individual heads. qkv_jax reports "
+            "per-head diagnostics (attention entropy, weight on the previous token, induction score). "
+            "Does a head that looks special by them matter more to the model's predictions?",
             "",
             f"**Design.** Each seed's pre-trained char LM ({seeds} seeds, `{FINETUNE_PRETRAINED}`) measures, "
             f"in its final evaluation, every head's ablation cost (`eval_head_ablation`): validation "
@@ -991,7 +993,7 @@ STUDIES: dict[str, Callable[[], str]] = {
 
 HEADER = """# Experiments
 
-Each section turns a claim or question of the seed documents into a measurement.
+Each section turns a common claim or open question about attention into a measurement.
 This file is generated: `python -m docs.generate experiments` runs every study
 into `runs/studies/` (sweeps skip finished cells) and rewrites it; each section
 names the command that regenerates its numbers. Nothing below is typed by hand

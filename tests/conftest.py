@@ -37,9 +37,9 @@ def compilation_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def seed002():
-    """Reference numbers for seed 002's 'The cat sat on the mat' walkthrough."""
-    return json.loads((DATA / "seed002_cat_sat_mat.json").read_text())
+def walkthrough():
+    """Reference numbers for a six-token self-attention walkthrough ('The cat sat on the mat')."""
+    return json.loads((DATA / "cat_sat_mat_walkthrough.json").read_text())
 
 
 # --- The reliability catalogue (docs/reliability.md) ----------------------------------

@@ -105,16 +105,16 @@ def test_agrees_with_flax_dot_product_attention():
     np.testing.assert_allclose(got, want, atol=2e-6)
 
 
-def test_scale_reproduces_seed_thermostat(seed002):
-    """Seed 002's x8 demonstration: a bigger scale makes the softmax peaky."""
-    scores = np.asarray(seed002["softmax_thermostat"]["scores"], np.float32)
+def test_scale_reproduces_thermostat_example(walkthrough):
+    """The walkthrough's x8 example: a bigger scale makes the softmax peaky."""
+    scores = np.asarray(walkthrough["softmax_thermostat"]["scores"], np.float32)
     # Scores as logits of one query against five keys: q = 1, k_s = score_s, H = 1.
     query = np.ones((1, 1, 1), np.float32)
     key = scores.reshape(5, 1, 1)
     value = np.eye(5, dtype=np.float32).reshape(5, 1, 5)
     for factor, name in ((1.0, "softmax"), (8.0, "softmax_times_8")):
         _, weights = dot_product_attention(query, key, value, scale=factor, return_weights=True)
-        np.testing.assert_allclose(weights[0, 0], seed002["softmax_thermostat"][name], atol=1e-6)
+        np.testing.assert_allclose(weights[0, 0], walkthrough["softmax_thermostat"][name], atol=1e-6)
 
 
 def test_gradients_float64():

@@ -65,7 +65,7 @@ def thermostat_setups():
 
 def test_thermostat_probe_at_large_d_k(thermostat_setups):
     """At initialisation (3 seeds), d_k = 1024: unscaled logits give peaked rows, and the softmax
-    passes back less gradient per unit of logit scale (seed 002's saturation); yet the raw gradient
+    passes back less gradient per unit of logit scale (the softmax saturates); yet the raw gradient
     at W_q and W_k is larger, because the scale divides the gradient as it divides the logits."""
     for seed in range(3):
         measured = {}

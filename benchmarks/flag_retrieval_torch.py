@@ -1,7 +1,7 @@
-"""Seed 000, section 4.3's PyTorch training loop, as the seed writes it, with timers.
+"""The flag-retrieval training loop in plain PyTorch (the reference), with timers.
 
 Run by benchmarks/flag_retrieval.py as the peer; prints one JSON line.
-  python benchmarks/seed000_torch.py [--threads N]
+  python benchmarks/flag_retrieval_torch.py [--threads N]
 """
 
 import json
