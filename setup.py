@@ -12,7 +12,7 @@ setup(
     # Only the library: the launchers (experiments/), configs/, benchmarks/ and docs/ run from a
     # checkout (`python -m experiments.train ...` from its root) and stay out of site-packages.
     packages=find_packages(include=["qkv_jax", "qkv_jax.*"]),
-    package_data={"qkv_jax": ["py.typed", "training/explorer_assets/*"]},
+    package_data={"qkv_jax": ["py.typed", "report/explorer_assets/*"]},
     install_requires=[
         "jax>=0.4.35",
         "flax>=0.10",

@@ -116,7 +116,7 @@ def worker_decode() -> dict:
     import numpy as np
 
     from qkv_jax.lm import TransformerLM, generate
-    from qkv_jax.training.transformer import make_model
+    from qkv_jax.tasks.transformer import make_model
 
     config = model_config("char_lm")
     model: TransformerLM = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
@@ -168,8 +168,8 @@ def same_cache_decode() -> dict:
 
     from configs import char_lm
     from qkv_jax.lm import kv_cache_bytes_per_token
-    from qkv_jax.training.lm_studies import decode_tokens_per_second
-    from qkv_jax.training.transformer import make_model
+    from qkv_jax.studies.language_model import decode_tokens_per_second
+    from qkv_jax.tasks.transformer import make_model
 
     study = char_lm.get_config("study").to_dict()
     results = {}
@@ -234,7 +234,7 @@ def worker_torch_train(name: str, steps: int, threads: int | None) -> dict:
         torch.set_num_threads(threads)
 
     from benchmarks.lm_torch import TorchLM, train_step
-    from qkv_jax.training.char_lm import load_corpus
+    from qkv_jax.tasks.char_lm import load_corpus
 
     config = model_config(name)
     _, train_ids, _ = load_corpus(config["data"])
@@ -292,7 +292,7 @@ def jax_lm_step_s(shape: dict, steps: int) -> float:
     from flax.training.train_state import TrainState
 
     from qkv_jax.lm import TransformerConfig, TransformerLM
-    from qkv_jax.training.transformer import cross_entropy
+    from qkv_jax.tasks.transformer import cross_entropy
 
     model = TransformerLM(TransformerConfig(**shape, dtype=jnp.bfloat16))
     tokens = jax.random.randint(
@@ -409,7 +409,7 @@ def decode_lines(dry_run: bool, ratios: dict) -> list[str]:
     import numpy as np
 
     from qkv_jax.lm import generate
-    from qkv_jax.training.transformer import make_model
+    from qkv_jax.tasks.transformer import make_model
 
     config = model_config("char_lm")
     model = make_model(config["model"], vocab_size=config["data"]["max_vocab_size"])
@@ -455,7 +455,7 @@ def library_jax_step(shape: dict, batch: int):
     import optax
 
     from qkv_jax.lm import TransformerConfig, TransformerLM
-    from qkv_jax.training.transformer import cross_entropy
+    from qkv_jax.tasks.transformer import cross_entropy
 
     model = TransformerLM(TransformerConfig(**shape))
     tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, shape["max_len"] + 1), 0, shape["vocab_size"])

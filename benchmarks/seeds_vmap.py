@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import median, write_results  # noqa: E402
 from configs import flag_retrieval  # noqa: E402
-from qkv_jax.training.seeds import train_seeds  # noqa: E402
+from qkv_jax.training import train_seeds  # noqa: E402
 
 
 def main() -> None:

@@ -41,11 +41,11 @@ parameters), for an accelerator:
 
   python -m experiments.train --config configs/char_lm.py:gpu --workdir runs/char_lm_gpu
 
-Variant `study`: the base of experiments/lm_studies.py (8 heads, 128-character
+Variant `study`: the base of experiments/study.py (8 heads, 128-character
 windows, 300 steps; about a minute a run). Its `get_sweep` is the K/V study's
 grid (MHA, GQA, MQA and two MLA latents), trained through the sweep launcher:
 
-  python -m experiments.lm_studies kv_heads --workdir runs/kv_heads --seeds 2
+  python -m experiments.study kv_heads --workdir runs/kv_heads --seeds 2
 """
 
 import ml_collections
@@ -75,7 +75,7 @@ def get_config(arg=None):
     if variant == "gpu":
         config.model.dtype = "bfloat16"  # float32 parameters, bf16 matmuls and attention (cuDNN)
 
-    config.task = common.task("qkv_jax.training.char_lm", "char_lm")
+    config.task = common.task("qkv_jax.tasks.char_lm", "char_lm")
     # Characters per training window (the model predicts each one's successor).
     config.task.seq_len = sizes["seq_len"]
 

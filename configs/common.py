@@ -25,7 +25,7 @@ def base(experiment: str, seed: int = 0) -> ml_collections.ConfigDict:
 def task(module: str, name: str) -> ml_collections.ConfigDict:
     """The `task` section's two common fields; the config adds the task's own."""
     section = ml_collections.ConfigDict()
-    # The module whose build(config) returns the task's Setup (qkv_jax/training/task.py).
+    # The module whose build(config) returns the task's Setup (qkv_jax/training/setup.py).
     section.module = module
     # The task's short name (the summary's and the task module's).
     section.name = name

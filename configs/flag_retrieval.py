@@ -62,7 +62,7 @@ def get_config(arg=None):
     # Matmul precision (flax's `precision`): default, high or highest; unset = JAX's default.
     config.model.precision = ml_collections.config_dict.placeholder(str)
 
-    config.task = common.task("qkv_jax.training.flag_retrieval", "flag_retrieval")
+    config.task = common.task("qkv_jax.tasks.flag_retrieval", "flag_retrieval")
     # Tokens per example.
     config.task.seq_len = 5
     # Flag channels; the target is the content at every flagged position.

@@ -304,7 +304,7 @@ def flag_min_dk() -> str:
 def thermostat() -> str:
     workdir = "runs/studies/thermostat"
     command = [
-        "experiments.lm_studies",
+        "experiments.study",
         "thermostat",
         "--workdir",
         workdir,
@@ -383,7 +383,7 @@ def thermostat() -> str:
             "with respect to W_q and W_k, that gradient divided by the logits' scale (what the softmax "
             "passes back to the logits: logits = scale x q.k, so the weight gradient carries the scale "
             "once), and the attention rows' entropy and largest weight on the evaluation examples "
-            "(`qkv_jax/training/attention_studies.py`).",
+            "(`qkv_jax/studies/mechanisms.py`).",
             "",
             f"**Command:** `{shown(command)}`",
             "",
@@ -401,7 +401,7 @@ def thermostat() -> str:
 
 def lm_causal_mask() -> str:
     workdir = "runs/studies/lm_causal_mask"
-    command = ["experiments.lm_studies", "causal_mask", "--workdir", workdir]
+    command = ["experiments.study", "causal_mask", "--workdir", workdir]
     run(command)
     record = json.loads((ROOT / workdir / "results.json").read_text())
     causal, unmasked = (next(r for r in record["rows"] if r["arm"] == arm) for arm in ("causal", "unmasked"))
@@ -453,7 +453,7 @@ def lm_causal_mask() -> str:
 
 def lm_kv_heads() -> str:
     workdir = "runs/studies/lm_kv_heads"
-    command = ["experiments.lm_studies", "kv_heads", "--workdir", workdir, "--seeds", "6"]
+    command = ["experiments.study", "kv_heads", "--workdir", workdir, "--seeds", "6"]
     run(command)
     record = json.loads((ROOT / workdir / "results.json").read_text())
     rows = {r["arm"]: r for r in record["rows"]}
@@ -587,14 +587,14 @@ def decode_note(rows: dict[str, dict]) -> str:
 def induction_heads() -> str:
     workdir = "runs/studies/induction"
     command = [
-        "experiments.lm_studies",
+        "experiments.study",
         "induction",
         "--workdir",
         workdir,
         "--seeds",
         "4",
         "--config",
-        "configs/lm_tasks.py:repeat",
+        "configs/sequences.py:repeat",
         "--config.train.keep_checkpoints=0",
         "--config.train.log_every=25",
         "--config.train.checkpoint_every=100",
@@ -639,7 +639,7 @@ def induction_heads() -> str:
             "best-known learned relation in small language models: does one form here, when, and does it "
             "compose with a previous-token head in the layer below?",
             "",
-            "**Design.** `configs/lm_tasks.py:repeat`: a 2-layer TransformerLM (d_model 64, 4 heads) "
+            "**Design.** `configs/sequences.py:repeat`: a 2-layer TransformerLM (d_model 64, 4 heads) "
             "predicts sequences made of a random segment of random length (8 to 16 of 32 symbols), "
             "the same segment again, then random filler; the loss counts the repeated tokens. Every 25 "
             "steps a probe measures each head's induction score (its weight, from a token of the second "
@@ -665,10 +665,10 @@ FINETUNE_PRETRAINED = "runs/studies/lm_pretrain"
 
 
 def finetune_command(study: str) -> list[str]:
-    """The launcher command of one of experiments/finetune.py's studies (4 seeds, shared pre-training)."""
+    """The launcher command of one of experiments/study.py's studies (4 seeds, shared pre-training)."""
     workdir = f"runs/studies/lm_{study}"
     return [
-        "experiments.finetune",
+        "experiments.study",
         study,
         "--workdir",
         workdir,
@@ -680,7 +680,7 @@ def finetune_command(study: str) -> list[str]:
 
 
 def finetune_study(study: str) -> tuple[list[str], dict, str]:
-    """Runs one of experiments/finetune.py's studies (finished runs are read back, not retrained);
+    """Runs one of experiments/study.py's studies (finished runs are read back, not retrained);
     returns its command, its results.json and its plot copied into docs/images."""
     command = finetune_command(study)
     run(command)
@@ -699,7 +699,7 @@ def excludes_zero(stats: dict) -> bool:
 
 
 def lm_lora_finetune() -> str:
-    from qkv_jax.training.stats import paired_difference
+    from qkv_jax.studies.stats import paired_difference
 
     command, record, image = finetune_study("lora_finetune")
     rows = {r["arm"]: r for r in record["rows"]}

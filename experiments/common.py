@@ -64,10 +64,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
     try:
         remaining = flags.FLAGS(argv)
-        for name in ("config",):
-            if name in flags.FLAGS and flags.FLAGS[name].present:
-                config = flags.FLAGS[name].value
-                config.to_dict()  # a config file that failed to load raises here
+        if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+            flags.FLAGS["config"].value.to_dict()  # a config file that failed to load raises here
     except flags.Error as error:
         reason = _config_file_reason(str(error))
         fail(f"--config: {reason}" if reason else str(error).split("\n")[0], code=2)

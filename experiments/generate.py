@@ -29,7 +29,7 @@ def main(argv):
     import numpy as np
 
     from qkv_jax.lm import check_generate_args
-    from qkv_jax.training.char_lm import read_run, restore_params
+    from qkv_jax.tasks.char_lm import read_run
 
     try:  # every check that needs no computation comes first
         config, tokenizer, model = read_run(FLAGS.workdir)
@@ -41,11 +41,15 @@ def main(argv):
     import jax
 
     from qkv_jax.lm import generate
+    from qkv_jax.tasks.transformer import init_params
+    from qkv_jax.training import read_params
 
+    like = jax.eval_shape(init_params, model, config["task"]["seq_len"], jax.random.PRNGKey(0))
     try:
-        params, step = restore_params(FLAGS.workdir, config, model)
+        saved = read_params(FLAGS.workdir, like=like)
     except ValueError as error:
         common.fail(str(error), code=2)
+    params, step = saved.tree, saved.step
     tokens = generate(
         model,
         params,

@@ -20,8 +20,8 @@ common.define_common_flags()
 def main(argv):
     del argv  # run_main refuses positional arguments
     common.enable_compilation_cache(FLAGS.compilation_cache)
+    from qkv_jax.report.run import inspect_run
     from qkv_jax.training import ConfigError
-    from qkv_jax.training.report import inspect_run
 
     try:
         path = inspect_run(FLAGS.workdir, FLAGS.input)

@@ -26,8 +26,9 @@ common.define_common_flags()
 def main(argv):
     del argv  # run_main refuses positional arguments
     common.enable_compilation_cache(FLAGS.compilation_cache)
+    from qkv_jax.report.run import is_sweep, report_run
+    from qkv_jax.studies.results import report_sweep
     from qkv_jax.training import ConfigError
-    from qkv_jax.training.report import is_sweep, report_run, report_sweep
 
     try:
         if is_sweep(FLAGS.workdir):

@@ -41,8 +41,8 @@ def head_diagnostics(weights: jax.Array) -> dict[str, jax.Array]:
         return x.mean(axis=(0, 2))
 
     entropy = -jnp.sum(jnp.where(rows > 0, rows * jnp.log(jnp.where(rows > 0, rows, 1.0)), 0.0), axis=-1)
-    distance = jnp.sum(rows * jnp.abs(query_pos - key_pos), axis=-1)
-    previous = jnp.sum(rows * (key_pos == query_pos - 1), axis=-1)
+    distance = jnp.sum(rows * jnp.abs(query_pos - key_pos)[None, None], axis=-1)  # (B, N, T)
+    previous = jnp.sum(rows * (key_pos == query_pos - 1)[None, None], axis=-1)  # (B, N, T)
     return {
         "entropy": mean_over_rows(entropy),
         "distance": mean_over_rows(distance),

@@ -1,4 +1,4 @@
-"""Checks of a run explorer page (qkv_jax.training.explorer) in a real headless Chromium.
+"""Checks of a run explorer page (qkv_jax.report.explorer) in a real headless Chromium.
 
 `check_page(browser, path, data)` opens a page written by `write_run_page(path, data)`
 and checks it against `data`: no console error, no network request, hovering a
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from qkv_jax.training.explorer import LEVELS, page_attention
+from qkv_jax.report.explorer import LEVELS, page_attention
 
 CHROMIUM_FLAGS = [
     "--no-sandbox",

@@ -13,10 +13,10 @@ from test_char_lm import small_config as char_lm_small_config
 import qkv_jax
 from qkv_jax import lm
 from qkv_jax.finetune import head_ablation_masks
+from qkv_jax.report.run import report_run
+from qkv_jax.tasks.char_lm import NATS_PER_BIT, CharLM, load_corpus
+from qkv_jax.tasks.transformer import cross_entropy, make_model
 from qkv_jax.training import build_setup, train_and_evaluate
-from qkv_jax.training.char_lm import NATS_PER_BIT, CharLM, load_corpus
-from qkv_jax.training.report import report_run
-from qkv_jax.training.transformer import cross_entropy, make_model
 
 B, T, D, N = 2, 6, 8, 4
 X = jax.random.normal(jax.random.PRNGKey(0), (B, T, D))

@@ -12,8 +12,11 @@ from launch import cache_flag, launcher_env
 
 from configs import char_lm as char_lm_config
 from qkv_jax.lm import generate
-from qkv_jax.training import ConfigError, build_setup, lm_studies, train_and_evaluate
-from qkv_jax.training.char_lm import read_run, restore_params
+from qkv_jax.studies import language_model
+from qkv_jax.studies.catalogue import STUDIES
+from qkv_jax.studies.results import write_study_results
+from qkv_jax.tasks.char_lm import read_run
+from qkv_jax.training import ConfigError, build_setup, read_params, train_and_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))
@@ -58,9 +61,9 @@ def text_file(tmp_path_factory):
     "overrides,message",
     [
         (dict(task__seq_len=64), "model.max_len=48: shorter than the training sequences (task.seq_len=64)"),
-        (dict(model__num_kv_heads=3), "model.num_kv_heads=3 does not divide model.num_heads=4"),
-        (dict(model__num_heads=3), "model.num_heads=3 does not divide model.d_model=32"),
-        (dict(model__kv_latent_dim=0), "model.kv_latent_dim=0: must be a positive integer"),
+        (dict(model__num_kv_heads=3), "model.num_kv_heads=3 must divide model.num_heads=4"),
+        (dict(model__num_heads=3), "model.num_heads=3 must divide model.d_model=32"),
+        (dict(model__kv_latent_dim=0), "model.kv_latent_dim=0 must be a positive int"),
         (
             dict(eval__sample_length=46),
             "eval.sample_length=46: with the 4-character eval.sample_prompt it decodes 49 positions, past",
@@ -114,7 +117,8 @@ def test_generate_from_the_latest_checkpoint(trained):
     workdir, _ = trained
     config, tokenizer, model = read_run(workdir)
     assert config == json.loads((workdir / "config.json").read_text())
-    params, step = restore_params(workdir, config, model)
+    saved = read_params(workdir)
+    params, step = saved.tree, saved.step
     assert step == 60
     prompt = np.tile(tokenizer.encode("def "), (2, 1))
     tokens = generate(model, params, prompt, 30, rng=jax.random.PRNGKey(0), temperature=0.0)
@@ -167,8 +171,10 @@ def study_config(text_file) -> dict:
 @pytest.mark.slow
 def test_causal_mask_study_writes_its_results(text_file, tmp_path):
     base = study_config(text_file)
-    results = lm_studies.causal_mask(base, tmp_path)
-    record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies causal_mask")
+    results = language_model.causal_mask(base, tmp_path)
+    record = write_study_results(
+        tmp_path, results, "python -m experiments.study causal_mask", STUDIES[results["study"]]
+    )
     causal, unmasked = record["rows"]
     summaries = {
         arm: json.loads((tmp_path / arm / "summary.json").read_text()) for arm in ("causal", "unmasked")
@@ -189,8 +195,10 @@ def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
         {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
         {"model.num_kv_heads": 4, "model.kv_latent_dim": 8},
     ]
-    results = lm_studies.kv_heads(base, tmp_path, cells, seeds=[0, 1])
-    record = lm_studies.write_results(tmp_path, results, "python -m experiments.lm_studies kv_heads")
+    results = language_model.kv_heads(base, tmp_path, cells, seeds=[0, 1])
+    record = write_study_results(
+        tmp_path, results, "python -m experiments.study kv_heads", STUDIES[results["study"]]
+    )
     mqa, mla = record["rows"]
     assert [r["arm"] for r in record["rows"]] == ["mqa_kv1", "mla_latent8"]
     # Cache bytes per token: K and V of every layer (float32) or MLA's latent alone.
@@ -207,5 +215,5 @@ def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
     )
     assert mqa["difference_from_mha"] is None  # no MHA cell to pair with
     assert all(
-        r[f"decode_tokens_per_s_batch{b}"] > 0 for r in record["rows"] for b in lm_studies.DECODE_BATCHES
+        r[f"decode_tokens_per_s_batch{b}"] > 0 for r in record["rows"] for b in language_model.DECODE_BATCHES
     )

@@ -19,12 +19,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from launch import cache_flag, launcher_env
+from saved_state import final_state
 
 from configs import flag_retrieval
 from qkv_jax.training import Checkpoints, train_and_evaluate
 from qkv_jax.training.memory import InsufficientMemoryError
 from qkv_jax.training.preemption import EXIT_PREEMPTED
-from qkv_jax.training.report import load_checkpoint
 from qkv_jax.training.workdir import DiskFullError, WorkdirLock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -52,8 +52,8 @@ def reference_run(tmp_path_factory):
 
 
 def assert_same_run(workdir, reference, config):
-    step_a, state_a = load_checkpoint(workdir, config)
-    step_b, state_b = load_checkpoint(reference, config)
+    step_a, state_a = final_state(workdir, config)
+    step_b, state_b = final_state(reference, config)
     assert step_a == step_b
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
     assert (workdir / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()

@@ -1,4 +1,4 @@
-"""The run explorer and sweep results pages (qkv_jax.training.explorer).
+"""The run explorer and sweep results pages (qkv_jax.report.explorer).
 
 The encoding, the schema checks and the page's size are checked in Python; the
 page itself in headless Chromium (tests/browser.py), against the numbers of the
@@ -32,7 +32,7 @@ from browser import (
     set_checkpoint,
 )
 
-from qkv_jax.training.explorer import (
+from qkv_jax.report.explorer import (
     LEVELS,
     decode_attention,
     encode_attention,
@@ -40,6 +40,7 @@ from qkv_jax.training.explorer import (
     write_run_page,
     write_sweep_page,
 )
+from qkv_jax.studies.grid import cell_name
 
 
 def causal_attention(rng, num_layers, num_heads, num_queries, num_keys, sharpness=2.0):
@@ -54,7 +55,7 @@ def causal_attention(rng, num_layers, num_heads, num_queries, num_keys, sharpnes
 def synthetic_run_data(
     seed=0, shapes=((6, 6), (4, 7), (9, 9)), layers=("block 0", "block 1"), num_heads=3, steps=(0, 100, 200)
 ):
-    """A run's page data (the schema of qkv_jax.training.explorer) from a seeded generator."""
+    """A run's page data (the schema of qkv_jax.report.explorer) from a seeded generator."""
     rng = np.random.default_rng(seed)
     alphabet = list("abcdefgh ") + ["\n"]
     examples = [
@@ -265,7 +266,9 @@ def sweep_rows():
 
 def test_sweep_page_links_only_cells_with_a_report(tmp_path):
     links = {"train.learning_rate=0.01,model.num_heads=2": "runs/a/report.html"}
-    path = write_sweep_page(tmp_path / "results.html", sweep_rows(), "final_loss", links)
+    path = write_sweep_page(
+        tmp_path / "results.html", sweep_rows(), "final_loss", lambda cell: links.get(cell_name(cell))
+    )
     check_no_external_references(path)
     rows = re.findall(r"<tr>(<td.*?)</tr>", path.read_text())
     assert len(rows) == 4
@@ -374,7 +377,9 @@ def test_checks_fail_on_wrong_numbers(browser, run_page, run_data, tmp_path):
 
 def test_sweep_page_sorts_and_links(browser, tmp_path):
     links = {"train.learning_rate=0.01,model.num_heads=4": "cells/b/report.html"}
-    path = write_sweep_page(tmp_path / "results.html", sweep_rows(), "final_loss", links)
+    path = write_sweep_page(
+        tmp_path / "results.html", sweep_rows(), "final_loss", lambda cell: links.get(cell_name(cell))
+    )
     with open_page(browser, path) as page:
         page.locator("#results th").nth(2).click()  # final_loss mean ± std
         means = page.locator("#results tbody tr").evaluate_all(

@@ -1,6 +1,7 @@
 """Starting from a trained run: fit_params, MHA -> GQA/MQA conversion, and train.init_from end to end
 (LoRA adapters only train, the source is never written, errors name the parameter)."""
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -19,10 +20,13 @@ from configs import char_lm as char_lm_config
 from qkv_jax import lm
 from qkv_jax.finetune import ParamMismatchError, convert_kv_heads, fit_params
 from qkv_jax.lora import merge_lora
-from qkv_jax.training import ConfigError, build_setup, finetune_studies, lm_studies, train_and_evaluate
-from qkv_jax.training.char_lm import read_run, restore_params
-from qkv_jax.training.checkpoints import Checkpoints, CheckpointWarning
-from qkv_jax.training.init_from import Source, fitted_params, read_source
+from qkv_jax.studies import finetuning
+from qkv_jax.studies.catalogue import STUDIES
+from qkv_jax.studies.results import write_study_results
+from qkv_jax.tasks.char_lm import read_run
+from qkv_jax.training import ConfigError, build_setup, read_params, train_and_evaluate
+from qkv_jax.training.checkpoints import Checkpoints, CheckpointWarning, RunLocation, Saved
+from qkv_jax.training.init_from import fitted_params, read_source
 from qkv_jax.training.loop import seed_keys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,7 +98,7 @@ def test_converting_to_as_many_kv_heads_is_the_identity(latent):
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa2", "mqa"])
 def test_converted_mha_loads_into_the_gqa_model_and_decodes_with_the_cache(num_kv_heads):
     mha = make_model()
-    gqa = mha.replace(num_kv_heads=num_kv_heads)
+    gqa = mha.clone(config=dataclasses.replace(mha.config, num_kv_heads=num_kv_heads))
     params = noisy(mha.init(jax.random.PRNGKey(1), TOKENS)["params"])
     converted = convert_kv_heads(params, num_kv_heads)
     key = params["block_0"]["attention"]["key"]
@@ -183,8 +187,9 @@ def test_fitted_params_run_vmapped_over_seeds_each_with_its_own_adapters():
     seeds = jax.vmap(lambda key: adapted.init(key, TOKENS)["params"])(
         jax.random.split(jax.random.PRNGKey(2), 3)
     )
-    config = {"train": {"init_from": "W1"}, "model": {}}
-    fitted = jax.vmap(lambda p: fitted_params(config, Source(source, 30, pathlib.Path("W1"), None), p))(seeds)
+    config = {"train": {"init_from": "W1", "convert_kv_heads": False}, "model": {}}
+    saved = Saved(source, 30, RunLocation(pathlib.Path("W1/checkpoints"), None, pathlib.Path("W1")))
+    fitted = jax.vmap(lambda p: fitted_params(config, saved, p))(seeds)
     for seed in range(3):
         np.testing.assert_array_equal(fitted["head"]["kernel"][seed], source["head"]["kernel"])
     lora_a = fitted["block_0"]["attention"]["value"]["lora_a"]
@@ -246,6 +251,10 @@ def test_init_from_refuses_a_missing_source(tmp_path):
     "the source is read only (every file and the leftover unchanged); the corrupt checkpoint is skipped "
     "with a `CheckpointWarning` and the previous one used; none usable is a ConfigError",
 )
+def init_from(path):
+    return {"train": {"init_from": str(path)}}
+
+
 def test_the_source_is_read_only_and_verified(tmp_path):
     params = {"dense": {"kernel": jnp.arange(6.0).reshape(2, 3), "bias": jnp.ones(3)}}
     checkpoints = Checkpoints(tmp_path / "W1" / "checkpoints")
@@ -259,13 +268,13 @@ def test_the_source_is_read_only_and_verified(tmp_path):
         data_file.write_bytes(bytes(b ^ 0xFF for b in data_file.read_bytes()))
     before = file_digests(tmp_path / "W1")
     with pytest.warns(CheckpointWarning, match="checkpoint step 20"):
-        source = read_source(str(tmp_path / "W1"))
-    assert source.step == 10 and source.config is None
-    np.testing.assert_array_equal(source.params["dense"]["kernel"], np.arange(6.0).reshape(2, 3) + 10)
-    assert read_source(str(tmp_path / "W1" / "checkpoints" / "10")).step == 10
+        source = read_source(init_from(tmp_path / "W1"))
+    assert source.step == 10 and source.location.workdir == tmp_path / "W1"
+    np.testing.assert_array_equal(source.tree["dense"]["kernel"], np.arange(6.0).reshape(2, 3) + 10)
+    assert read_source(init_from(tmp_path / "W1" / "checkpoints" / "10")).step == 10
     assert file_digests(tmp_path / "W1") == before and leftover.is_dir()
     with pytest.warns(CheckpointWarning), pytest.raises(ConfigError, match="no usable checkpoint"):
-        read_source(str(tmp_path / "W1" / "checkpoints" / "20"))
+        read_source(init_from(tmp_path / "W1" / "checkpoints" / "20"))
 
 
 @pytest.mark.slow
@@ -288,10 +297,9 @@ def test_lora_fine_tune_trains_only_the_adapters_and_never_writes_the_source(sou
     source_summary = json.loads((source / "summary.json").read_text())
     assert summary["untrained"]["eval_val_loss"] == pytest.approx(source_summary["eval_val_loss"], abs=1e-6)
     assert summary["trainable_params"] == 2 * (32 * 4 + 4 * 32) < summary["params"] // 20
-    source_config, _, source_model = read_run(source)
-    source_params, _ = restore_params(source, source_config, source_model)
-    tuned_config, _, tuned_model = read_run(tmp_path / "W2")
-    tuned, step = restore_params(tmp_path / "W2", tuned_config, tuned_model)
+    source_params = read_params(source).tree
+    saved = read_params(tmp_path / "W2")
+    tuned, step = saved.tree, saved.step
     assert step == 30
     frozen = {
         k: v for k, v in jax.tree_util.tree_leaves_with_path(tuned) if k[-1].key not in ("lora_a", "lora_b")
@@ -331,8 +339,8 @@ def test_init_from_converts_mha_to_gqa_on_load(source_run, tmp_path):
         train__steps=10,
     )
     summary = train_and_evaluate(config, tmp_path / "B")
-    source_config, tokenizer, source_model = read_run(source)
-    source_params, _ = restore_params(source, source_config, source_model)
+    tokenizer = read_run(source)[1]
+    source_params = read_params(source).tree
     assert read_run(tmp_path / "B")[2].config.num_kv_heads == 2
     assert read_run(tmp_path / "B")[1].chars == tokenizer.chars  # the source's vocabulary
     # "untrained" is the converted model: the source's parameters with K/V heads mean-pooled.
@@ -408,7 +416,7 @@ def test_acceptance_command_line(source_run, tmp_path):
 
 
 def fake_run(calls, root):
-    """A stand-in for `finetune_studies._run` that records each run's overrides and returns a summary
+    """A stand-in for `finetuning._run` that records each run's overrides and returns a summary
     whose numbers say which run it was."""
 
     def run(base, workdir, overrides):
@@ -437,15 +445,14 @@ def test_the_studies_run_their_arms_and_write_their_results(tmp_path, monkeypatc
     """The studies' runs (what each trains, from where, for how long) and their results files, with
     the training replaced by `fake_run`: train.init_from and friends are tested end to end above."""
     calls = {}
-    monkeypatch.setattr(finetune_studies, "_run", fake_run(calls, tmp_path))
-    monkeypatch.setattr(finetune_studies, "docstring_corpus", lambda path, fraction: 0.125)
+    monkeypatch.setattr(finetuning, "_run", fake_run(calls, tmp_path))
+    monkeypatch.setattr(finetuning, "docstring_corpus", lambda path, fraction: 0.125)
     base = char_lm_config.get_config("study").to_dict()
     pretrained, seeds = tmp_path / "pretrained", [0, 1, 2]
     for study in ("lora_finetune", "kv_conversion", "head_ablation"):
-        results = getattr(finetune_studies, study)(base, tmp_path / study, pretrained, seeds)
-        record = lm_studies.write_results(
-            tmp_path / study, results, f"python -m experiments.finetune {study}"
-        )
+        results = getattr(finetuning, study)(base, tmp_path / study, pretrained, seeds)
+        command = f"python -m experiments.study {study}"
+        record = write_study_results(tmp_path / study, results, command, STUDIES[study])
         assert (tmp_path / study / f"{study}.png").stat().st_size > 1000
         assert len(record["table"]) == len(record["rows"]) + 2
     assert calls["pretrained/seed_1"] == {"seed": 1, "eval.ablation_examples": 128}

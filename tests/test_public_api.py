@@ -24,9 +24,10 @@ PUBLIC_MODULES = [
     "qkv_jax.checks",
     "qkv_jax.interop",
     "qkv_jax.text",
-    "qkv_jax.tasks",
-    "qkv_jax.tasks.flag",
+    "qkv_jax.tasks.flag_retrieval",
     "qkv_jax.tasks.sequences",
+    "qkv_jax.tasks.char_lm",
+    "qkv_jax.training",
 ]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import reliability_catalogue
 from launch import launcher_env
+from saved_state import final_state
 
 from configs import flag_retrieval
 from qkv_jax.training import (
@@ -28,7 +29,6 @@ from qkv_jax.training import (
     seed_keys,
     train_and_evaluate,
 )
-from qkv_jax.training.report import load_checkpoint
 from qkv_jax.training.workdir import MetricsWriter, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def checkpoint_target(config):
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
-restore = load_checkpoint
+restore = final_state  # the newest checkpoint, restored into the config's model
 
 
 def assert_same_state(a, b):

@@ -16,12 +16,11 @@ from browser import check_no_external_references, check_page, launch_browser, mi
 
 from configs import char_lm as char_lm_config
 from configs import flag_retrieval
-from qkv_jax.tasks.flag import flag_retrieval_batch
-from qkv_jax.training import build_setup, init_train_state, make_optimizer, train_and_evaluate
-from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree
-from qkv_jax.training.flag_retrieval import attention_weights
-from qkv_jax.training.report import report_run, report_sweep
-from qkv_jax.training.sweep import run_sweep
+from qkv_jax.report.run import report_run
+from qkv_jax.studies.results import report_sweep
+from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.tasks.flag_retrieval import attention_weights, flag_retrieval_batch
+from qkv_jax.training import build_setup, read_params, train_and_evaluate
 
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))
 
@@ -92,13 +91,7 @@ def test_flag_page_shows_the_runs_attention(flag_run, browser):
 
 def checkpoint_params(workdir, config, step):
     """The parameters of a run's checkpoint `step` (not only the newest)."""
-    checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=None)
-    try:
-        setup = build_setup(config)
-        template = init_train_state(setup, make_optimizer(config["train"]), jax.random.PRNGKey(0))
-        return checkpoints.restore(step, checkpoint_tree(template))["params"]
-    finally:
-        checkpoints.close()
+    return read_params(workdir / "checkpoints" / str(step)).tree
 
 
 def test_lm_page_shows_the_prompt_and_validation_text(lm_run, browser):
@@ -130,8 +123,8 @@ def test_lm_page_shows_the_prompt_and_validation_text(lm_run, browser):
 
 def test_default_char_lm_page_stays_under_five_megabytes(tmp_path):
     """The default char LM config's page at its most (the untrained parameters and 12 checkpoints)."""
-    from qkv_jax.training.explore import MAX_CHECKPOINTS, run_page_data
-    from qkv_jax.training.explorer import write_run_page
+    from qkv_jax.report.explorer import write_run_page
+    from qkv_jax.report.run import MAX_CHECKPOINTS, run_page_data
 
     corpus = tmp_path / "code.txt"
     corpus.write_text(TEXT * 4)

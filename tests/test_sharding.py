@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 from launch import cache_flag, launcher_env
+from saved_state import final_state
 
 from configs import flag_retrieval
 from qkv_jax.training import ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
-from qkv_jax.training.report import load_checkpoint
 from qkv_jax.training.sharding import make_mesh, mesh_shape, partition_spec, state_shardings
 from qkv_jax.training.workdir import read_metrics
 
@@ -55,7 +55,7 @@ def run_on_devices(devices, runs):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-final_state = load_checkpoint  # the newest checkpoint, restored onto this process's one device
+
 
 
 def assert_same_run(workdir_a, workdir_b, config, atol=1e-5):

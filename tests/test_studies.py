@@ -5,13 +5,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from configs import flag_retrieval, lm_tasks
+from configs import flag_retrieval, sequences
+from qkv_jax.studies.mechanisms import induction_probe, thermostat_probe
+from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import repeat_batch
-from qkv_jax.training import build_setup
-from qkv_jax.training.attention_studies import induction_probe, thermostat_probe
-from qkv_jax.training.seeds import train_seeds
-from qkv_jax.training.stats import mean_interval, paired_difference
-from qkv_jax.training.sweep import run_sweep
+from qkv_jax.training import build_setup, train_seeds
 
 
 def test_intervals_against_scipy():
@@ -79,7 +78,7 @@ def test_thermostat_probe_at_large_d_k(thermostat_setups):
 
 
 def test_probes_follow_vmapped_training_and_resume(tmp_path):
-    config = lm_tasks.get_config("repeat")
+    config = sequences.get_config("repeat")
     config.model.update(num_layers=2, d_model=16, num_heads=2)
     config.task.update(length=4, vocab_size=8)
     config.train.update(steps=12, log_every=4, checkpoint_every=8, batch_size=8)

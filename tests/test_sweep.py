@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 from launch import cache_flag, launcher_env
+from saved_state import final_state
 
 from configs import flag_retrieval
-from qkv_jax.training import train_and_evaluate
-from qkv_jax.training.report import load_checkpoint
-from qkv_jax.training.seeds import train_seeds
-from qkv_jax.training.sweep import apply_overrides, grid, parse_sweep_arg, run_sweep
+from qkv_jax.studies.grid import apply_overrides, grid, parse_sweep_arg
+from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.training import train_and_evaluate, train_seeds
 from qkv_jax.training.validate import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ def test_vmapped_seeds_equal_training_each_seed_alone(tmp_path):
         alone = config.to_dict()
         alone["seed"] = seed
         summary = train_and_evaluate(alone, tmp_path / f"seed{seed}")
-        _, state = load_checkpoint(tmp_path / f"seed{seed}", alone)
+        _, state = final_state(tmp_path / f"seed{seed}", alone)
         jax.tree.map(
             lambda vmapped, single, index=index: np.testing.assert_allclose(
                 vmapped[index], single, atol=1e-6, rtol=0

@@ -6,9 +6,10 @@ import chex
 import jax
 import numpy as np
 import pytest
+from saved_state import final_state
 
 from configs import flag_retrieval
-from qkv_jax.tasks import flag_retrieval_batch
+from qkv_jax.tasks.flag_retrieval import flag_retrieval_batch
 from qkv_jax.training import (
     Checkpoints,
     build_setup,
@@ -18,7 +19,6 @@ from qkv_jax.training import (
     seed_keys,
     train_and_evaluate,
 )
-from qkv_jax.training.report import load_checkpoint
 
 
 def small_config(variant=None, **overrides):
@@ -81,8 +81,8 @@ def test_resume_gives_identical_parameters(tmp_path):
     second = train_and_evaluate(small_config(), resumed)
     assert second["resumed_from_step"] == 10 and second["steps"] == 20
 
-    step_a, state_a = load_checkpoint(straight, small_config())
-    step_b, state_b = load_checkpoint(resumed, small_config())
+    step_a, state_a = final_state(straight, small_config())
+    step_b, state_b = final_state(resumed, small_config())
     assert step_a == step_b == 20
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
     metrics = [(tmp / "metrics.jsonl").read_text() for tmp in (straight, resumed)]

@@ -13,13 +13,40 @@ token is determined by the earlier ones. A model is scored on those.
                  places: the repeat is predictable only by looking the current
                  token up earlier in the sequence (an induction head), since
                  where the copies are changes from sequence to sequence.
+
+As tasks (`build`; config `task.name` copy, brackets or repeat) a
+TransformerLM learns one of them. Each is a row of `SEQUENCE_TASKS`: its
+generator, the `task.*` fields it reads and its vocabulary size, so a new task
+of this kind is a generator and one row here.
+
+Loss: cross-entropy on the answer positions only (`answer_mask`; the rest is
+random and cannot be learned). Metrics on fresh sequences: `loss` (nats),
+`accuracy` (answer tokens predicted right by the argmax) and
+`sequence_accuracy` (sequences with every answer token right).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from qkv_jax.lm import TransformerLM
+from qkv_jax.tasks.transformer import (
+    check_sequence_length,
+    init_params,
+    layer_attention,
+    make_model,
+    token_cross_entropy,
+    training_logits,
+)
+from qkv_jax.training import validate
+from qkv_jax.training.setup import AttentionView, Setup
 
 __all__ = [
     "copy_batch",
@@ -28,6 +55,12 @@ __all__ = [
     "BRACKET_PAD",
     "BRACKET_EQUALS",
     "COPY_SEPARATOR",
+    "SequenceTask",
+    "SEQUENCE_TASKS",
+    "build",
+    "validate_config",
+    "task_shapes",
+    "answer_metrics",
 ]
 
 COPY_SEPARATOR = 0
@@ -94,7 +127,7 @@ def bracket_batch(
     keys = jax.random.split(key, batch_size)
     prefix, stack, depth = jax.vmap(_bracket_prefix, in_axes=(0, None, None))(keys, prefix_len, num_types)
     steps = jnp.arange(prefix_len)  # (P,)
-    innermost_first = depth[:, None] - 1 - steps  # (B, P) stack index of completion step j
+    innermost_first = depth[:, None] - 1 - steps[None, :]  # (B, P) stack index of completion step j
     closers = 2 + num_types + jnp.take_along_axis(stack, jnp.maximum(innermost_first, 0), axis=1)
     completion = jnp.where(innermost_first >= 0, closers, BRACKET_PAD)  # (B, P)
     equals = jnp.full((batch_size, 1), BRACKET_EQUALS, prefix.dtype)
@@ -118,10 +151,143 @@ def repeat_batch(key: jax.Array, batch_size: int, length: int, vocab_size: int) 
     tokens = jax.random.randint(token_key, (batch_size, 2 * length + 1), 0, vocab_size)  # (B, 2L + 1)
     first = jax.random.randint(first_key, (batch_size, 1), 0, length - segment + 1)  # (B, 1)
     second = jax.random.randint(second_key, (batch_size, 1), length, 2 * length + 2 - segment)  # (B, 1)
-    positions = jnp.arange(2 * length + 1)  # (2L + 1,)
+    positions = jnp.arange(2 * length + 1)[None, :]  # (1, 2L + 1)
     in_copy = (positions >= second) & (positions < second + segment)  # (B, 2L + 1)
     source = jnp.where(in_copy, positions - second + first, positions)  # the copy reads the first
     sequence = jnp.take_along_axis(tokens, source, axis=1)
-    targets = jnp.arange(2 * length)  # target t is sequence token t + 1
+    targets = positions[:, :-1]  # (1, 2L): target t is sequence token t + 1
     answer_mask = (targets >= second) & (targets < second + segment - 1)  # (B, 2L): copy tokens 1 ..
     return _shifted(sequence, answer_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceTask:
+    """A synthetic next-token task.
+
+    Attributes:
+      generate: `generate(key, batch_size, *fields) -> {"inputs", "targets",
+        "answer_mask"}`, each `[batch, 2 task.length]`.
+      fields: the `task.*` fields passed to `generate` after the batch size, in
+        order (`length` first); each must be a positive integer, and at least
+        its `minimum`.
+      vocab_size: the vocabulary size, from the task fields.
+      minimum: smallest allowed value of some fields.
+    """
+
+    generate: Callable[..., dict]
+    fields: tuple[str, ...]
+    vocab_size: Callable[[dict], int]
+    minimum: dict = dataclasses.field(default_factory=dict)
+
+
+SEQUENCE_TASKS = {
+    "copy": SequenceTask(
+        generate=copy_batch,
+        fields=("length", "vocab_size"),
+        vocab_size=lambda task: task["vocab_size"],
+        minimum={"vocab_size": 2},
+    ),
+    "brackets": SequenceTask(
+        generate=bracket_batch,
+        fields=("length", "num_types"),
+        vocab_size=lambda task: 2 + 2 * task["num_types"],  # pad, '=', an opener and a closer per type
+    ),
+    "repeat": SequenceTask(
+        generate=repeat_batch,
+        fields=("length", "vocab_size"),
+        vocab_size=lambda task: task["vocab_size"],
+        minimum={"length": 2, "vocab_size": 2},
+    ),
+}
+
+
+def task_shapes(task: dict) -> tuple[int, int]:
+    """(sequence length L of inputs and targets, vocabulary size) of a task config."""
+    return 2 * task["length"], SEQUENCE_TASKS[task["name"]].vocab_size(task)
+
+
+def validate_config(config: Any) -> TransformerLM:
+    """The task section's fields; returns the model the `model` section describes (checked by
+    TransformerConfig), whose positions must hold the sequences."""
+    validate.require_choice(config, "task.name", SEQUENCE_TASKS)
+    spec = SEQUENCE_TASKS[config["task"]["name"]]
+    validate.require_positive_int(config, *(f"task.{field}" for field in spec.fields))
+    for field, minimum in spec.minimum.items():
+        if config["task"][field] < minimum:
+            raise validate.ConfigError(f"task.{field}={config['task'][field]}: must be >= {minimum}")
+    length, vocab_size = task_shapes(config["task"])
+    model = make_model(config["model"], vocab_size)
+    check_sequence_length(model, length, "2 * task.length")
+    return model
+
+
+def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
+    """loss, accuracy and sequence_accuracy on the answer positions; logits `[B, L, V]`."""
+    mask = batch["answer_mask"]  # (B, L)
+    losses = token_cross_entropy(logits, batch["targets"])  # (B, L)
+    right = (jnp.argmax(logits, axis=-1) == batch["targets"]) | ~mask  # (B, L)
+    return {
+        "loss": jnp.sum(losses * mask) / jnp.sum(mask),
+        "accuracy": 1.0 - jnp.sum(~right) / jnp.sum(mask),
+        "sequence_accuracy": jnp.all(right, axis=-1).mean(),
+    }
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
+class SequenceLM:
+    """A TransformerLM on one `SequenceTask` (`Setup`'s fields are its bound methods)."""
+
+    model: TransformerLM
+    spec: SequenceTask
+    fields: dict
+    batch_size: int
+    num_eval_examples: int
+
+    def sample(self, key: jax.Array, batch_size: int) -> dict:
+        return self.spec.generate(key, batch_size, *(self.fields[f] for f in self.spec.fields))
+
+    def init(self, key: jax.Array) -> Any:
+        return init_params(self.model, 2 * self.fields["length"], key)
+
+    def sample_batch(self, key: jax.Array, data: Any) -> dict:
+        del data  # the task is generated from the key alone
+        return self.sample(key, self.batch_size)
+
+    def loss(self, params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        logits = training_logits(self.model, params, batch["inputs"], rng)  # (B, L, V)
+        return answer_metrics(logits, batch)["loss"], {}
+
+    def evaluate(self, params: Any, key: jax.Array, data: Any) -> tuple[dict, dict]:
+        del data
+        batch = self.sample(key, self.num_eval_examples)
+        logits = jnp.asarray(self.model.apply({"params": params}, batch["inputs"]))  # (B, L, V)
+        return answer_metrics(logits, batch), {}
+
+    def inspect(self, params: Any, text: str | None) -> AttentionView:
+        """Every block's attention on one fresh sequence; `text` is its seed (default 0). The
+        positions whose next token is an answer are marked."""
+        batch = self.sample(jax.random.PRNGKey(int(text) if text else 0), 1)
+        weights = jax.jit(layer_attention, static_argnums=0)(self.model, params, batch["inputs"])
+        labels = [str(int(token)) for token in batch["inputs"][0]]
+        marks = [int(t) for t in np.flatnonzero(np.asarray(batch["answer_mask"][0]))]
+        return AttentionView({f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels, marks)
+
+    def explorer_inputs(self, data: Any, prompt: str | None) -> list[tuple[str, str]]:
+        """Four fresh sequences (seeds 0-3; a prompt has no meaning here)."""
+        del data, prompt
+        return [(f"sequence {seed}", str(seed)) for seed in range(4)]
+
+
+def build(config: Any) -> Setup:
+    """The Setup of the TransformerLM on the task `task.name` names."""
+    model = validate_config(config)
+    task = config["task"]
+    spec = SEQUENCE_TASKS[task["name"]]
+    lm = SequenceLM(
+        model=model,
+        spec=spec,
+        fields={field: task[field] for field in spec.fields},
+        batch_size=config["train"]["batch_size"],
+        num_eval_examples=config["eval"]["num_examples"],
+    )
+    return Setup.from_methods(lm, model=lm.model)

@@ -1,12 +1,24 @@
-"""Orbax checkpoints that are verified on restore.
+"""Orbax checkpoints that are verified whenever they are read, and the one way to read a run.
 
 Each checkpoint holds the train state (`checkpoint_tree`: `step`, `params`,
-`opt_state`; `restore_train_state` puts them back into a TrainState) and a
-small JSON record with the shape, dtype and a SHA-256 digest of every leaf.
-On restore the record is checked against the model being restored into (a
-shape or dtype change is an error, where orbax alone would convert silently)
-and the restored bytes against the digest; a checkpoint that fails to read or
-verify is skipped with a warning and the next older one is tried.
+`opt_state`) and a small JSON record with the shape, dtype and a SHA-256 digest
+of every leaf. Whatever reads a checkpoint checks the restored bytes against
+the record, and against the model it restores into when one is given (a shape
+or dtype change is an error, where orbax alone would convert silently); a
+checkpoint that fails to read or verify is skipped with a `CheckpointWarning`
+and the next older one is tried.
+
+Two functions read a run from outside the trainer (fine-tuning's
+`train.init_from`, the report and its explorer page, generation, the tasks):
+
+  read_params(path, like=None)       the parameters of a run's newest usable checkpoint
+  read_train_state(path, like=None)  its whole train state
+
+`path` names a run's workdir, its `checkpoints/` directory or one checkpoint
+step directory (`W/checkpoints/300`, that step only). They open the directory
+read-only (orbax's `read_only` manager: nothing is created, cleaned up or
+written), so a run can be read while it trains and a source run is never
+touched. The trainer saves and resumes through `Checkpoints` itself.
 
 Saves are synchronous: orbax writes into a temporary directory and renames it
 when complete, so a process killed mid-save leaves the previous checkpoints
@@ -15,9 +27,13 @@ as they were.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
+import logging as std_logging
 import pathlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -32,9 +48,12 @@ __all__ = [
     "CheckpointWarning",
     "Checkpoints",
     "NoCheckpointError",
+    "RunLocation",
+    "Saved",
     "checkpoint_tree",
-    "load_train_state",
-    "restore_train_state",
+    "locate_run",
+    "read_params",
+    "read_train_state",
     "tree_digest",
 ]
 
@@ -44,7 +63,7 @@ class CheckpointWarning(UserWarning):
 
 
 class NoCheckpointError(ValueError):
-    """A workdir has no usable checkpoint to restore."""
+    """A path holds no usable checkpoint to read."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -71,18 +90,57 @@ def tree_digest(tree: Any) -> str:
     return digest.hexdigest()
 
 
-class Checkpoints:
-    """Save and restore train states under `directory` (kept: the newest `max_to_keep`; None: all)."""
+def _dtype(x: Any) -> np.dtype:
+    """dtype of an array, a ShapeDtypeStruct, or a Python scalar (as JAX would store it)."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.asarray(x).dtype)
 
-    def __init__(self, directory: str | pathlib.Path, max_to_keep: int | None = 3):
+
+def _abstract_records(tree: Any, prefix: str = "") -> dict[str, tuple[list[int], str]]:
+    return {
+        prefix + jax.tree_util.keystr(path): (list(np.shape(leaf)), str(_dtype(leaf)))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+@contextlib.contextmanager
+def _without_read_only_notes() -> Iterator[None]:
+    """Drops the notes orbax logs when a manager is read-only on purpose."""
+
+    def keep(record: std_logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "read only" not in message and "read_only=True" not in message
+
+    logger = std_logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+class Checkpoints:
+    """Saves and restores train states under `directory`, verifying every read.
+
+    `max_to_keep`: the newest this many are kept (None: every one). `read_only`: open
+    an existing directory without creating or changing anything (saving then
+    raises).
+    """
+
+    def __init__(
+        self, directory: str | pathlib.Path, *, max_to_keep: int | None = None, read_only: bool = False
+    ):
         self.directory = pathlib.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=False,
-            cleanup_tmp_directories=True,
-            create=True,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "record"))
+        with _without_read_only_notes():
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "record")
+            )
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -99,11 +157,31 @@ class Checkpoints:
         )
         self._manager.wait_until_finished()
 
-    def _check_fits(self, step: int, record: dict, target: Any) -> None:
-        expected = {name: (r["shape"], r["dtype"]) for name, r in _abstract_records(target).items()}
-        stored = {name: (r["shape"], r["dtype"]) for name, r in record["leaves"].items()}
-        missing = sorted(set(expected) - set(stored))
-        extra = sorted(set(stored) - set(expected))
+    def _warn(self, step: int, problem: str) -> None:
+        warnings.warn(
+            f"checkpoint step {step} in {self.directory} {problem}; trying an older one",
+            CheckpointWarning,
+            stacklevel=4,
+        )
+
+    def _read(self, step: int, **item: Any) -> Any:
+        """The one item (`record` or `state`) of checkpoint `step`, or None with a warning
+        when it cannot be read (any failure: a torn file, a missing commit marker, ...)."""
+        ((name, args),) = item.items()
+        try:
+            with _without_read_only_notes():
+                return self._manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+        except Exception as error:  # noqa: BLE001 - any read failure means skip it
+            self._warn(step, f"is unreadable ({type(error).__name__}: {error})")
+            return None
+
+    def _check_fits(self, step: int, record: dict, target: Any, prefix: str) -> None:
+        """CheckpointMismatchError unless the record's leaves under `prefix` are `target`'s."""
+        expected = _abstract_records(target, prefix)
+        stored = {
+            name: (r["shape"], r["dtype"]) for name, r in record["leaves"].items() if name.startswith(prefix)
+        }
+        missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
         if missing or extra:
             raise CheckpointMismatchError(
                 f"checkpoint step {step} in {self.directory} has a different structure: "
@@ -116,57 +194,53 @@ class Checkpoints:
                     f"{stored[name][1]}{stored[name][0]} but the model expects {dtype}{shape}"
                 )
 
-    def _read(self, step: int, **item: Any) -> Any:
-        """The one item (`record` or `state`) of checkpoint `step`, or None with a warning
-        when it cannot be read (any failure: a torn file, a missing commit marker, ...)."""
-        ((name, args),) = item.items()
-        try:
-            return self._manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
-        except Exception as error:  # noqa: BLE001 - any read failure means skip it
-            warnings.warn(
-                f"checkpoint step {step} in {self.directory} is unreadable "
-                f"({type(error).__name__}: {error}); trying an older one",
-                CheckpointWarning,
-                stacklevel=3,
-            )
-            return None
+    def restore(self, step: int, target: Any = None, *, params_only: bool = False) -> Any | None:
+        """Checkpoint `step`, verified against its record; None (with a CheckpointWarning) when it
+        does not read back or fails its checksum.
 
-    def restore(self, step: int, target: Any) -> Any | None:
-        """Checkpoint `step` restored into `target`'s structure, shapes, dtypes and shardings
-        (`target`: arrays or `jax.ShapeDtypeStruct`s), or None with a CheckpointWarning when it
-        does not read back or fails its checksum. CheckpointMismatchError when it does not fit."""
+        With `target` (arrays or `jax.ShapeDtypeStruct`s of the train state, or of the
+        parameters alone with `params_only`), the arrays take its structure, shapes, dtypes and
+        shardings, and a checkpoint that does not fit is a CheckpointMismatchError. Without
+        one, the tree as saved, as host arrays. `params_only` returns (and verifies) just the
+        parameters.
+        """
         record = self._read(step, record=ocp.args.JsonRestore())
         if record is None:
             return None
-        self._check_fits(step, record, target)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=getattr(x, "sharding", None)),
-            target,
-        )
-        state = self._read(step, state=ocp.args.StandardRestore(abstract))
+        if target is not None:
+            self._check_fits(step, record, target, "['params']" if params_only else "")
+        if target is not None and not params_only:
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=getattr(x, "sharding", None)),
+                target,
+            )
+            state = self._read(step, state=ocp.args.StandardRestore(abstract))
+        else:
+            state = self._read(step, state=ocp.args.StandardRestore())
         if state is None:
             return None
-        if tree_digest(state) != record["digest"]:
-            warnings.warn(
-                f"checkpoint step {step} in {self.directory} fails its checksum; trying an older one",
-                CheckpointWarning,
-                stacklevel=2,
-            )
+        tree = state["params"] if params_only else state
+        # Compared as a multiset: restored without a target, orbax may rebuild containers (an
+        # optax NamedTuple as a dict), which renames paths but not bytes.
+        prefix = "['params']" if params_only else ""
+        saved = sorted(r["sha256"] for name, r in record["leaves"].items() if name.startswith(prefix))
+        if sorted(r["sha256"] for r in _leaf_records(tree).values()) != saved:
+            self._warn(step, "fails its checksum")
             return None
-        return state
+        if target is not None and params_only:
+            tree = jax.tree.map(
+                lambda x, like: jax.device_put(x, getattr(like, "sharding", None)), tree, target
+            )
+        return tree
 
-    def restore_latest(self, target: Any) -> tuple[int, Any] | None:
-        """Restores the newest checkpoint that reads back and verifies (see `restore`).
-
-        Restored arrays take `target`'s shardings (so a run saved on 8 devices
-        restores onto 1, or onto 4). Returns `(step, state)`, or None when there
-        is no usable checkpoint. Raises CheckpointMismatchError when the newest
-        readable checkpoint does not fit `target`.
-        """
+    def restore_latest(self, target: Any = None, *, params_only: bool = False) -> tuple[int, Any] | None:
+        """`(step, tree)` of the newest checkpoint that reads back and verifies (see `restore`),
+        or None when there is none. Restored into `target`, arrays take its shardings (so a run
+        saved on 8 devices restores onto 1, or onto 4)."""
         for step in reversed(self.all_steps()):
-            state = self.restore(step, target)
-            if state is not None:
-                return step, state
+            tree = self.restore(step, target, params_only=params_only)
+            if tree is not None:
+                return step, tree
         return None
 
     def close(self) -> None:
@@ -178,41 +252,68 @@ def checkpoint_tree(state: Any) -> dict:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
-def restore_train_state(checkpoints: Checkpoints, state: Any) -> tuple[int, Any] | None:
-    """`(step, state)` from the newest usable checkpoint, restored into `state`'s
-    structure, shapes, dtypes and shardings (its values are not used); None when
-    there is none. Raises CheckpointMismatchError as `Checkpoints.restore_latest`."""
-    restored = checkpoints.restore_latest(checkpoint_tree(state))
-    if restored is None:
-        return None
-    step, tree = restored
-    return step, state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+@dataclasses.dataclass(frozen=True)
+class RunLocation:
+    """Where a path points: the checkpoints directory, the one step it names (or None for the
+    newest), and the run's workdir (its config.json and other files)."""
+
+    checkpoints: pathlib.Path
+    step: int | None
+    workdir: pathlib.Path
 
 
-def load_train_state(workdir: str | pathlib.Path, template: Any) -> tuple[int, Any]:
-    """`(step, state)` of the newest usable checkpoint in `workdir`/checkpoints, restored
-    into `template` (a TrainState) as `restore_train_state` does. NoCheckpointError
-    when there is none."""
-    directory = pathlib.Path(workdir) / "checkpoints"
-    if not directory.is_dir():
-        raise NoCheckpointError(f"workdir={str(workdir)!r}: no checkpoints/ yet")
-    checkpoints = Checkpoints(directory)
+def locate_run(path: str | pathlib.Path) -> RunLocation:
+    """The run behind `path`: a workdir, its `checkpoints/` directory or one checkpoint step
+    directory. NoCheckpointError when it is none of those."""
+    path = pathlib.Path(path).expanduser().absolute()
+    if (path / "checkpoints").is_dir():
+        return RunLocation(path / "checkpoints", None, path)
+    if path.is_dir() and path.name.isdigit() and (path / "state").is_dir():
+        return RunLocation(path.parent, int(path.name), path.parent.parent)
+    if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
+        return RunLocation(path, None, path.parent)
+    raise NoCheckpointError(
+        f"{str(path)!r} is not a run's workdir, its checkpoints/ directory or a checkpoint step directory"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What `read_params` / `read_train_state` read: the tree, its step, and where it came from."""
+
+    tree: Any
+    step: int
+    location: RunLocation
+
+
+def _read(path: str | pathlib.Path, like: Any, params_only: bool) -> Saved:
+    location = locate_run(path)
+    checkpoints = Checkpoints(location.checkpoints, max_to_keep=None, read_only=True)
     try:
-        restored = restore_train_state(checkpoints, template)
+        steps = [location.step] if location.step is not None else list(reversed(checkpoints.all_steps()))
+        for step in steps:
+            tree = checkpoints.restore(step, like, params_only=params_only)
+            if tree is not None:
+                return Saved(tree, step, location)
     finally:
         checkpoints.close()
-    if restored is None:
-        raise NoCheckpointError(f"workdir={str(workdir)!r}: no usable checkpoint in checkpoints/")
-    return restored
+    raise NoCheckpointError(f"no usable checkpoint in {location.checkpoints}")
 
 
-def _dtype(x: Any) -> np.dtype:
-    """dtype of an array, a ShapeDtypeStruct, or a Python scalar (as JAX would store it)."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jnp.asarray(x).dtype)
+def read_params(path: str | pathlib.Path, like: Any = None) -> Saved:
+    """The parameters of the newest usable checkpoint of the run at `path` (or of the one step
+    it names), verified, read without writing anything there.
+
+    `like`: the parameters of the model they are for (arrays or ShapeDtypeStructs); then a
+    checkpoint that does not fit is a CheckpointMismatchError and the arrays take `like`'s
+    shardings. Without it, host arrays as saved (a sweep cell's carry a leading seed axis).
+    NoCheckpointError when no checkpoint reads back and verifies.
+    """
+    return _read(path, like, params_only=True)
 
 
-def _abstract_records(tree: Any) -> dict[str, dict]:
-    return {
-        jax.tree_util.keystr(path): {"shape": list(np.shape(leaf)), "dtype": str(_dtype(leaf))}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
+def read_train_state(path: str | pathlib.Path, like: Any = None) -> Saved:
+    """The whole train state `{"step", "params", "opt_state"}` of the newest usable checkpoint
+    (or the named step), as `read_params` reads the parameters. `like`: a checkpoint tree
+    (`checkpoint_tree(state)`) to restore into, with its shardings."""
+    return _read(path, like, params_only=False)

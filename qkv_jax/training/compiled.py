@@ -11,8 +11,10 @@ This is the run's only speed machinery, kept out of the training loop:
   * On CPU, XLA's backend optimization level 1 instead of the default 2: for
     the small models here it compiles about a third faster and the compiled
     loops run as fast or faster (benchmarks/flag_retrieval.py measures both).
-  * Host work that can overlap the training (drawing the untrained model's
-    pictures, importing matplotlib) runs on the same thread pool.
+
+A run of several seeds compiles the same functions under `jax.vmap` over a
+leading seed axis (init and evaluation keys, the parameters and optimizer
+state); nothing else differs.
 
 With `checkify=True` the chunk is wrapped in `jax.experimental.checkify`, and
 a nan or division by zero inside it becomes a FloatingPointError naming the
@@ -33,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from qkv_jax.training.loop import init_train_state, make_train_chunk
 from qkv_jax.training.memory import check_fits
+from qkv_jax.training.setup import Setup
 from qkv_jax.training.sharding import state_shardings
-from qkv_jax.training.task import Setup
 
 __all__ = ["CPU_COMPILER_OPTIONS", "compile_for_platform", "CompiledPrograms"]
 
@@ -51,26 +53,43 @@ def compile_for_platform(jitted: Any, *args: Any) -> Any:
 
 
 class CompiledPrograms:
-    """init, evaluate and train_chunk of one run on `mesh`, compiled in the background.
+    """init, evaluate and train_chunk of one run on `mesh`, compiled on `pool`'s threads.
 
-    `train_chunk(state, first_step, n) -> (state, losses [n])`,
+    `train_chunk(state, first_step, n) -> (state, losses [n] or [seeds, n])`,
     `evaluate(params) -> (metrics, examples)`, `init(key) -> TrainState`: each
-    waits for its compile. `submit(fn, *args)` runs host work on the pool.
-    `compile_seconds()` sums the finished compiles; `close()` waits for the pool.
+    waits for its compile. With `vmapped`, every function runs over a leading
+    seed axis (`keys` then hold one key per seed). `compile_seconds()` sums the
+    finished compiles.
     """
 
-    def __init__(self, setup: Setup, tx: Any, mesh: Any, keys: dict, config: dict):
-        self._setup, self._keys, self._config = setup, keys, config
-        self._use_checkify = bool(config["train"].get("checkify"))
+    def __init__(
+        self,
+        setup: Setup,
+        tx: Any,
+        mesh: Any,
+        keys: dict,
+        config: dict,
+        pool: concurrent.futures.ThreadPoolExecutor,
+        vmapped: bool = False,
+    ):
+        self._setup, self._keys, self._config, self._pool = setup, keys, config, pool
+        self._vmapped = vmapped
+        self._use_checkify = config["train"]["checkify"]
         self._checked: set = set()
-        self._init = lambda key: init_train_state(setup, tx, key)
+        init = lambda key: init_train_state(setup, tx, key)
+        self._init = jax.vmap(init) if vmapped else init
         self.abstract_state = jax.eval_shape(self._init, keys["init"])
-        self.state_sharding = state_shardings(self.abstract_state, mesh)
+        self.state_sharding = state_shardings(self.abstract_state, mesh, seed_axis=vmapped)
         self._replicated = NamedSharding(mesh, P())
-        self._batches = NamedSharding(mesh, P(None, "data"))  # (steps, batch, ...)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+        # The stacked batches [steps, batch, ...] are split over "data"; a vmapped run's
+        # batches are drawn per seed inside the vmap, and left to XLA.
+        self._batches = None if vmapped else NamedSharding(mesh, P(None, "data"))
         self._futures: dict[Any, concurrent.futures.Future] = {}
         self.train_seconds = 0.0  # in compiled chunks, waiting for their results (not their compiles)
+
+    def _vmap(self, fn: Callable) -> Callable:
+        """`fn(state or params, key, data)` over the seed axis of its first two arguments."""
+        return jax.vmap(fn, in_axes=(0, 0, None)) if self._vmapped else fn
 
     def _compiled(self, name: Any, make_jitted: Callable[[], Any], *args: Any) -> concurrent.futures.Future:
         if name not in self._futures:
@@ -84,7 +103,7 @@ class CompiledPrograms:
 
     def _evaluate_program(self) -> concurrent.futures.Future:
         jitted = lambda: jax.jit(
-            self._setup.evaluate,
+            self._vmap(self._setup.evaluate),
             in_shardings=(self.state_sharding.params, self._replicated, self._replicated),
             out_shardings=self._replicated,
         )
@@ -94,7 +113,7 @@ class CompiledPrograms:
 
     def _chunk_program(self, n: int) -> concurrent.futures.Future:
         def jitted():
-            chunk = make_train_chunk(self._setup, n, self._batches)
+            chunk = self._vmap(make_train_chunk(self._setup, n, self._batches))
             # The incoming state is donated: its buffers become the outgoing state's (no copy).
             in_shardings = (self.state_sharding, self._replicated, self._replicated)
             if self._use_checkify:  # the error value's sharding is left to XLA
@@ -111,9 +130,9 @@ class CompiledPrograms:
         if first_chunk is not None:
             self._chunk_program(first_chunk)
 
-    def init(self, key: jax.Array) -> Any:
-        init = jax.jit(self._init, out_shardings=self.state_sharding)
-        return init(key)
+    def init(self) -> Any:
+        """The fresh train state (one per seed when vmapped), placed on the mesh."""
+        return jax.jit(self._init, out_shardings=self.state_sharding)(self._keys["init"])
 
     def _ready(self, name: Any, program: concurrent.futures.Future, what: str) -> Any:
         """The compiled program, checked once to fit in memory (memory.check_fits)."""
@@ -142,11 +161,5 @@ class CompiledPrograms:
             raise FloatingPointError(f"checkify: {str(found).splitlines()[0]} ({window})") from None
         return jax.device_put(state, self.state_sharding), losses
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        return self._pool.submit(fn, *args)
-
     def compile_seconds(self) -> float:
         return sum(f.result()[1] for f in self._futures.values() if f.done() and not f.exception())
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

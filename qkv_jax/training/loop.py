@@ -1,6 +1,6 @@
 """The training loop shared by every experiment.
 
-An experiment is a `Setup` (qkv_jax/training/task.py): how to initialise
+An experiment is a `Setup` (qkv_jax/training/setup.py): how to initialise
 parameters, sample a batch from a key, compute the loss, and evaluate. The
 loop around it is the same for all:
 
@@ -9,8 +9,8 @@ loop around it is the same for all:
   * the batch of step s comes from `fold_in(data_key, s)`, on device, so a run
     resumed from a checkpoint replays exactly the batches it would have seen;
   * `train_chunks` calls the compiled chunks from a start step to the end and
-    hands each chunk's losses to the caller: single runs (`run.py`) and
-    vmapped seeds (`seeds.py`) share it;
+    hands each chunk's losses to the caller (`run.py`, for one seed or
+    many vmapped);
   * parameters with LoRA adapters (`qkv_jax.lora`) train only the adapters:
     `init_train_state` wraps the optimizer in `optax.multi_transform`, the
     adapters labelled "adapter" and every other parameter "frozen"
@@ -20,7 +20,6 @@ loop around it is the same for all:
 from __future__ import annotations
 
 import math
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +31,8 @@ from flax.training.train_state import TrainState
 from jax import lax
 
 from qkv_jax.lora import adapter_labels, has_adapters
-from qkv_jax.training import validate
+from qkv_jax.training.setup import Setup
 from qkv_jax.training.sharding import to_host
-from qkv_jax.training.task import Setup
-from qkv_jax.training.validate import ConfigError
 
 __all__ = [
     "TrainState",
@@ -48,60 +45,20 @@ __all__ = [
     "train_chunks",
     "logged_losses",
     "seed_keys",
-    "validate_train_config",
 ]
-
-OPTIMIZERS = ("adam", "adamw", "sgd")
-SCHEDULES = ("constant", "cosine")
-
-
-def validate_train_config(config: Any) -> None:
-    """Checks the fields every experiment shares (seed, train.*, eval.num_examples)."""
-    validate.require_nonnegative_int(config, "seed")
-    validate.require_positive_int(
-        config, "train.steps", "train.batch_size", "train.log_every", "train.checkpoint_every"
-    )
-    validate.require_positive_float(config, "train.learning_rate")
-    validate.require_choice(config, "train.optimizer", OPTIMIZERS)
-    validate.require_bool(config, "train.overwrite")
-    validate.require_positive_int(config, "eval.num_examples")
-    train = config["train"]
-    for field in ("weight_decay", "grad_clip_norm"):
-        if train.get(field) is not None and train[field] < 0:
-            raise ConfigError(f"train.{field}={train[field]!r}: must be >= 0")
-    for field in ("warmup_steps", "keep_checkpoints"):
-        if field in train:
-            validate.require_nonnegative_int(config, f"train.{field}")
-    if "schedule" in train:
-        validate.require_choice(config, "train.schedule", SCHEDULES)
-    if "checkify" in train:
-        validate.require_bool(config, "train.checkify")
-    _validate_init_from(config)
-
-
-def _validate_init_from(config: Any) -> None:
-    """train.init_from: unset or an existing directory; train.convert_kv_heads needs it."""
-    train = config["train"]
-    source = train.get("init_from")
-    if source is not None and (not isinstance(source, str) or not pathlib.Path(source).is_dir()):
-        raise ConfigError(f"train.init_from={source!r}: not a directory (a run's workdir or checkpoint)")
-    if "convert_kv_heads" in train:
-        validate.require_bool(config, "train.convert_kv_heads")
-        if train["convert_kv_heads"] and source is None:
-            raise ConfigError("train.convert_kv_heads=True: needs train.init_from (the run to convert)")
 
 
 def kept_checkpoints(train: dict) -> int | None:
-    """orbax's max_to_keep from `train.keep_checkpoints` (0 = all: None); 3 when unset."""
-    return train.get("keep_checkpoints", 3) or None
+    """orbax's max_to_keep from `train.keep_checkpoints` (0 = all: None)."""
+    return train["keep_checkpoints"] or None
 
 
 def make_optimizer(train: Any) -> optax.GradientTransformation:
-    """optax optimizer from the `train` section: optimizer, learning_rate and,
-    when present, weight_decay, grad_clip_norm, warmup_steps, schedule."""
+    """optax optimizer from the `train` section: optimizer, learning_rate, weight_decay
+    (adamw), grad_clip_norm (None: no clipping), warmup_steps, schedule."""
     learning_rate: Any = train["learning_rate"]
-    warmup = train.get("warmup_steps", 0) or 0
-    if train.get("schedule", "constant") == "cosine":
+    warmup = train["warmup_steps"]
+    if train["schedule"] == "cosine":
         learning_rate = optax.warmup_cosine_decay_schedule(
             0.0, learning_rate, max(warmup, 1), max(train["steps"], warmup + 1)
         )
@@ -111,11 +68,11 @@ def make_optimizer(train: Any) -> optax.GradientTransformation:
     if name == "adam":
         optimizer = optax.adam(learning_rate)
     elif name == "adamw":
-        optimizer = optax.adamw(learning_rate, weight_decay=train.get("weight_decay", 1e-4))
+        optimizer = optax.adamw(learning_rate, weight_decay=train["weight_decay"])
     else:
         optimizer = optax.sgd(learning_rate)
-    clip = train.get("grad_clip_norm")
-    if clip:
+    clip = train["grad_clip_norm"]
+    if clip is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip), optimizer)
     return optimizer
 
@@ -172,9 +129,10 @@ def make_train_chunk(
     return train_chunk
 
 
-def chunk_length(log_every: int, checkpoint_every: int) -> int:
-    """Steps per compiled call: every log and checkpoint falls on a chunk boundary."""
-    return math.gcd(log_every, checkpoint_every)
+def chunk_length(train: dict) -> int:
+    """Steps per compiled call (the `train` section's): every log and checkpoint falls on a
+    chunk boundary."""
+    return math.gcd(train["log_every"], train["checkpoint_every"])
 
 
 def train_chunks(

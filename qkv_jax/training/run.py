@@ -9,24 +9,33 @@ The run in five steps, each a function below:
      guard and checkpoints;
   4. `evaluate` the untrained and the trained parameters;
   5. `summarise` and `write_outputs`: summary.json and the task's pictures.
+
+`train_seeds(config, seeds)` is the same run for several seeds at once: the
+same steps with every compiled function vmapped over a leading seed axis
+(`CompiledPrograms(vmapped=True)`). Where vmapping changes what a step can do,
+it says so: a seed whose loss stops being finite keeps training (its numbers
+become nan) and is reported in `diverged` instead of stopping the others, the
+losses logged are one per seed, and no pictures are drawn.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import json
 import pathlib
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
 from qkv_jax.lora import count_params
-from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree, restore_train_state
+from qkv_jax.training.checkpoints import Checkpoints, checkpoint_tree
 from qkv_jax.training.compiled import CompiledPrograms
 from qkv_jax.training.init_from import initial_params
 from qkv_jax.training.loop import (
@@ -38,58 +47,79 @@ from qkv_jax.training.loop import (
     train_chunks,
 )
 from qkv_jax.training.preemption import StopSignals
+from qkv_jax.training.setup import Setup, build_setup, to_dict
 from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, to_host
-from qkv_jax.training.task import Setup, build_setup, to_dict
 from qkv_jax.training.workdir import (
     RUN_OUTPUTS,
     MetricsWriter,
     WorkdirLock,
     check_writable,
     disk_full_guard,
+    plain,
     prepare_workdir,
-    read_metrics,
+    read_json,
     write_json,
 )
 
-__all__ = ["Run", "train_and_evaluate"]
+__all__ = ["Run", "train_and_evaluate", "train_seeds"]
+
+Probe = Callable[[Any], dict]
 
 
 @dataclasses.dataclass
 class Run:
-    """What the steps of one run share."""
+    """What the steps of one run share. `seeds` is None for a single run (its seed is
+    `config.seed`), else the seeds trained together, vmapped; `workdir` is None for a run
+    that keeps nothing on disk (a vmapped run inside a study or test)."""
 
     config: dict
     setup: Setup
-    workdir: pathlib.Path
+    workdir: pathlib.Path | None
+    seeds: tuple[int, ...] | None
     keys: dict
     mesh: Any
+    pool: concurrent.futures.ThreadPoolExecutor
     programs: CompiledPrograms
-    checkpoints: Checkpoints
+    checkpoints: Checkpoints | None
     primary: bool
     started: float
     lock: WorkdirLock | None
     stop: StopSignals
+    restore_signals: bool
+    probe: Any = None  # the jitted probe, or None
     timings: dict = dataclasses.field(default_factory=dict)
     metrics: MetricsWriter | None = None
+    probes: MetricsWriter | None = None
     pictures_before: Any = None
 
     def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-        self.checkpoints.close()
-        self.programs.close()
-        self.stop.restore()
+        for writer in (self.metrics, self.probes):
+            if writer is not None:
+                writer.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        self.pool.shutdown(wait=True)
+        if self.restore_signals:
+            self.stop.restore()
         if self.lock is not None:
             self.lock.release()
 
     def kept(self) -> str:
         """What a failed write leaves: the newest checkpoint, and the metrics up to it."""
-        saved = self.checkpoints.all_steps()
+        saved = [] if self.checkpoints is None else self.checkpoints.all_steps()
         newest = f"the checkpoint of step {saved[-1]}" if saved else "no checkpoint yet"
         return f"{newest} and metrics.jsonl up to it are kept in {self.workdir}"
 
 
-def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
+def train_and_evaluate(
+    config: Any,
+    workdir: str | pathlib.Path | None,
+    *,
+    setup: Setup | None = None,
+    seeds: Sequence[int] | None = None,
+    stop: StopSignals | None = None,
+    probe: Probe | None = None,
+) -> dict:
     """Trains the experiment `config` describes, resuming from `workdir`'s checkpoints.
 
     Writes into `workdir`: config.json, metrics.jsonl (`{"step": s, "loss": ...}`,
@@ -102,12 +132,19 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
     `train.checkify=True`, when any operation inside the compiled step makes a
     nan or divides by zero, naming the operation).
 
+    `seeds`: train one copy per seed in one vmapped program (`train_seeds`).
+    `setup`: the config's Setup when the caller built it already. `stop`: the
+    signal handler to obey (a sweep shares one across its cells; by default the
+    run installs its own). `probe(params) -> {name: array}` (one seed's
+    parameters) is measured before training and after every compiled chunk, into
+    probes.jsonl and the summary's `probes`.
+
     `config.mesh.data` x `config.mesh.model` devices (see
     `qkv_jax.training.sharding`) run one jitted step with explicit shardings;
     in a multi-process run (after `jax.distributed.initialize`) every process
     calls this, and process 0 alone writes metrics, summary and pictures.
     """
-    run = start_run(to_dict(config), pathlib.Path(workdir))
+    run = start_run(to_dict(config), workdir, setup, seeds, stop, probe)
     try:
         # Restore or initialise.
         initial_state, state, start_step = restore_or_init(run)
@@ -115,20 +152,40 @@ def train_and_evaluate(config: Any, workdir: str | pathlib.Path) -> dict:
             return finished
         # Evaluate the untrained model; its pictures are drawn while the training runs.
         untrained, examples_before = evaluate(run, initial_state.params)
-        if run.setup.report is not None and run.primary:
-            run.pictures_before = run.programs.submit(
-                run.setup.report, run.workdir, "before", examples_before
+        if run.setup.save_examples is not None and run.primary and run.seeds is None:
+            run.pictures_before = run.pool.submit(
+                run.setup.save_examples, run.workdir, "before", examples_before
             )
         # Train.
         state = train(run, state, start_step)
         # Evaluate the trained model.
         trained, examples_after = evaluate(run, state.params)
+        # Summarise and write the outputs.
+        summary = summarise(run, state, start_step, untrained, trained)
+        write_outputs(run, summary, examples_after)
     finally:
         run.close()
-    # Summarise and write the outputs.
-    summary = summarise(run, state, start_step, untrained, trained)
-    write_outputs(run, summary, examples_after)
-    return summary
+    return summary if run.seeds is None else {**summary, "params": state.params}
+
+
+def train_seeds(
+    config: Any,
+    seeds: Sequence[int],
+    *,
+    setup: Setup | None = None,
+    workdir: str | pathlib.Path | None = None,
+    stop: StopSignals | None = None,
+    probe: Probe | None = None,
+) -> dict:
+    """`train_and_evaluate` once per seed, all seeds in one vmapped program (`config.seed` is
+    ignored). Seed i follows the same steps as a run with seed i alone. Without `workdir`
+    nothing is written. The summary's per-seed entries are lists in the order of `seeds`
+    (final_loss, eval_*, untrained eval_*, curves [seed][logged step] at curve_steps, probes
+    {name: [step][seed]}), `diverged` names the seeds whose loss stopped being finite, and
+    `params` holds the trained parameters (leading axis = seed)."""
+    if not list(seeds):
+        raise ValueError("train_seeds: no seeds given")
+    return train_and_evaluate(config, workdir, setup=setup, seeds=seeds, stop=stop, probe=probe)
 
 
 def _barrier(name: str) -> None:
@@ -136,22 +193,42 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def start_run(config: dict, workdir: pathlib.Path) -> Run:
+def start_run(
+    config: dict,
+    workdir: str | pathlib.Path | None,
+    setup: Setup | None,
+    seeds: Sequence[int] | None,
+    stop: StopSignals | None,
+    probe: Probe | None,
+) -> Run:
     """Validates and builds the task, prepares the workdir, mesh and optimizer, starts compiling."""
     started = time.perf_counter()
-    setup = build_setup(config)
+    setup = build_setup(config) if setup is None else setup
     mesh = make_mesh(*mesh_shape(config))
     primary = is_primary()
-    lock = claim_workdir(workdir, config, setup) if primary else None
+    workdir = None if workdir is None else pathlib.Path(workdir)
+    lock = claim_workdir(workdir, config, setup) if primary and workdir is not None else None
     _barrier("workdir ready")
-    keys = seed_keys(config["seed"])
-    programs = CompiledPrograms(setup, make_optimizer(config["train"]), mesh, keys, config)
+    vmapped = seeds is not None
+    seeds = None if seeds is None else tuple(int(s) for s in seeds)
+    keys = seed_keys(config["seed"]) if seeds is None else jax.vmap(seed_keys)(jnp.asarray(seeds))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+    programs = CompiledPrograms(
+        setup, make_optimizer(config["train"]), mesh, keys, config, pool, vmapped=vmapped
+    )
     programs.start(first_chunk=None)
-    if setup.report is not None and primary:  # matplotlib's import, meanwhile
-        programs.submit(__import__, "qkv_jax.plots")
-    checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(config["train"]))
-    stop = StopSignals().install()
-    return Run(config, setup, workdir, keys, mesh, programs, checkpoints, primary, started, lock, stop)
+    if setup.save_examples is not None and primary and not vmapped:  # matplotlib's import, meanwhile
+        pool.submit(__import__, "qkv_jax.plots")
+    checkpoints = None
+    if workdir is not None:
+        checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(config["train"]))
+    jitted_probe = None if probe is None else jax.jit(jax.vmap(probe) if vmapped else probe)
+    restore_signals = stop is None
+    stop = StopSignals().install() if stop is None else stop
+    return Run(
+        config, setup, workdir, seeds, keys, mesh, pool, programs, checkpoints, primary, started, lock,
+        stop, restore_signals, jitted_probe,
+    )  # fmt: skip
 
 
 def claim_workdir(workdir: pathlib.Path, config: dict, setup: Setup) -> WorkdirLock:
@@ -181,34 +258,35 @@ def restore_or_init(run: Run) -> tuple[Any, Any, int]:
     the workdir, else the initial state at step 0: fresh parameters, or with
     `train.init_from` another run's (`init_from.initial_params`; a fresh optimizer state,
     whose init does not depend on the parameters' values)."""
-    initial_state = run.programs.init(run.keys["init"])
-    restored = restore_train_state(run.checkpoints, initial_state)
-    if restored is None and run.config["train"].get("init_from"):
-        params, _ = initial_params(run.config, initial_state.params)
+    initial_state = run.programs.init()
+    restored = None
+    if run.checkpoints is not None:
+        restored = run.checkpoints.restore_latest(checkpoint_tree(initial_state))
+    if restored is None and run.config["train"]["init_from"]:
+        params = initial_params(run.config, initial_state.params, vmapped=run.seeds is not None)
         initial_state = initial_state.replace(params=params)
-    state, start_step = (initial_state, 0) if restored is None else (restored[1], restored[0])
-    logging.info("%s", f"resuming from checkpoint step {start_step}" if restored else "starting from step 0")
+    if restored is None:
+        state, start_step = initial_state, 0
+    else:
+        start_step, tree = restored
+        state = initial_state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+        logging.info("%s", f"resuming from checkpoint step {start_step}")
     train = run.config["train"]
     if start_step < train["steps"]:
-        run.programs.start(min(_chunk_length(train), train["steps"] - start_step))
+        run.programs.start(min(chunk_length(train), train["steps"] - start_step))
     run.timings["setup_s"] = time.perf_counter() - run.started
     return initial_state, state, start_step
 
 
 def finished_summary(run: Run, start_step: int) -> dict | None:
     """The summary.json of a run that already finished at `train.steps`, else None."""
-    path = run.workdir / "summary.json"
-    if start_step < run.config["train"]["steps"] or not path.exists():
+    if run.workdir is None or start_step < run.config["train"]["steps"]:
         return None
-    summary = json.loads(path.read_text())
-    if summary.get("steps") != start_step:
+    summary = read_json(run.workdir / "summary.json")
+    if summary is None or summary.get("steps") != start_step:
         return None
-    logging.info("%s", f"the run finished at step {start_step} before; {path} is left as it was")
+    logging.info("%s", f"the run finished at step {start_step} before; {run.workdir} is left as it was")
     return summary
-
-
-def _chunk_length(train: dict) -> int:
-    return chunk_length(train["log_every"], train["checkpoint_every"])
 
 
 def evaluate(run: Run, params: Any) -> tuple[dict, Any]:
@@ -219,9 +297,7 @@ def evaluate(run: Run, params: Any) -> tuple[dict, Any]:
         time.perf_counter() - started
     )
     if run.metrics is not None:  # after training: the scalars to TensorBoard, at the step trained to
-        run.metrics.write_scalars(
-            "eval", {k: _to_json(v) for k, v in metrics.items()}, run.metrics.last_step + 1
-        )
+        run.metrics.write_scalars("eval", plain(metrics), run.metrics.last_step + 1)
     return metrics, examples
 
 
@@ -229,21 +305,34 @@ def train(run: Run, state: Any, start_step: int) -> Any:
     """Trains from `start_step` to `train.steps`: metrics.jsonl every `log_every`
     steps, a checkpoint every `checkpoint_every` steps and at the end, and a
     FloatingPointError (naming the window and the last good checkpoint) when
-    the loss stops being finite."""
+    the loss stops being finite (a vmapped run's seeds keep training)."""
     train_config = run.config["train"]
     steps, log_every = train_config["steps"], train_config["log_every"]
-    metrics = run.metrics = MetricsWriter(run.workdir / "metrics.jsonl", start_step, log_every, run.primary)
-    progress = _Progress(steps, start_step, enabled=run.primary)
+    directory = run.workdir
+    metrics = run.metrics = MetricsWriter(
+        None if directory is None else directory / "metrics.jsonl",
+        start_step,
+        log_every,
+        enabled=run.primary,
+        tensorboard=run.seeds is None,
+    )
+    if run.probe is not None:
+        run.probes = MetricsWriter(None if directory is None else directory / "probes.jsonl", start_step, 1)
+        run.probes.write({"step": start_step, **plain(run.probe(state.params))})
+    progress = _Progress(steps, start_step, enabled=run.primary and directory is not None)
 
     def after_chunk(first_step: int, losses: np.ndarray, state: Any) -> None:
-        _check_finite(run, first_step, losses)
+        if run.seeds is None:
+            _check_finite(run, first_step, losses)
         with disk_full_guard(f"{metrics.path}", run.kept()):
             for step, loss in logged_losses(first_step, losses, log_every, steps):
-                metrics.write({"step": step, "loss": float(loss)})
-        end = first_step + len(losses)
-        progress.update(len(losses), float(losses[-1]))
+                metrics.write({"step": step, "loss": plain(loss)})
+        end = first_step + losses.shape[-1]
+        if run.probes is not None:
+            run.probes.write({"step": end, **plain(run.probe(state.params))})
+        progress.update(losses.shape[-1], float(np.mean(losses[..., -1])))
         save = lambda step: save_checkpoint(run, step, state)
-        run.stop.save_or_stop(end, steps, train_config["checkpoint_every"], save, run.checkpoints.directory)
+        run.stop.save_or_stop(end, steps, train_config["checkpoint_every"], save, directory)
 
     try:
         state = train_chunks(
@@ -251,7 +340,7 @@ def train(run: Run, state: Any, start_step: int) -> Any:
             run.programs.train_chunk,
             start_step=start_step,
             steps=steps,
-            chunk_length=_chunk_length(train_config),
+            chunk_length=chunk_length(train_config),
             after_chunk=after_chunk,
         )
     finally:
@@ -261,6 +350,8 @@ def train(run: Run, state: Any, start_step: int) -> Any:
 
 def save_checkpoint(run: Run, step: int, state: Any) -> None:
     """Checkpoint `step` of `state` (one line, DiskFullError, when the disk is full)."""
+    if run.checkpoints is None:
+        return
     with disk_full_guard(f"checkpoint step {step} in {run.checkpoints.directory}", run.kept()):
         run.checkpoints.save(step, checkpoint_tree(state))
 
@@ -268,57 +359,70 @@ def save_checkpoint(run: Run, step: int, state: Any) -> None:
 def _check_finite(run: Run, first_step: int, losses: np.ndarray) -> None:
     bad = ~np.isfinite(losses)
     if bad.any():
-        saved = run.checkpoints.all_steps()
+        saved = [] if run.checkpoints is None else run.checkpoints.all_steps()
+        where = f" in {run.checkpoints.directory}" if run.checkpoints is not None else ""
         raise FloatingPointError(
             f"loss is {losses[bad][0]} at step {first_step + int(np.argmax(bad))} (in the window of steps "
             f"{first_step}-{first_step + len(losses) - 1}); last good checkpoint: "
-            f"{'step ' + str(saved[-1]) if saved else 'none'} in {run.checkpoints.directory}"
+            f"{'step ' + str(saved[-1]) if saved else 'none'}{where}"
         )
-
-
-def final_loss(workdir: pathlib.Path, steps: int) -> float:
-    """The training loss of the run's last step (`steps - 1`), as metrics.jsonl logged it."""
-    records = [r for r in read_metrics(workdir / "metrics.jsonl") if r.get("step") == steps - 1]
-    return records[-1]["loss"] if records else float("nan")
-
-
-def _to_json(value: Any) -> Any:
-    array = np.asarray(value)
-    return array.item() if array.ndim == 0 else array.tolist()
 
 
 def summarise(run: Run, state: Any, start_step: int, untrained: dict, trained: dict) -> dict:
     """summary.json's content (without the pictures' entries and the wall time)."""
-    steps = int(to_host(state.step))
-    params, trainable_params = count_params(state.params)
-    return {
+    assert run.metrics is not None
+    steps = int(np.max(to_host(state.step)))
+    params, trainable_params = count_params(state.params if run.seeds is None else _first(state.params))
+    records = run.metrics.records
+    final = [r["loss"] for r in records if r["step"] == steps - 1]
+    summary = {
         "experiment": run.config.get("experiment", run.config["task"]["name"]),
         "steps": steps,
         "resumed_from_step": start_step,
-        "final_loss": final_loss(run.workdir, steps),
+        # The training loss of the run's last step (steps - 1), as metrics.jsonl logged it.
+        "final_loss": final[-1] if final else float("nan"),
         "params": params,
         "trainable_params": trainable_params,
         "mesh": dict(run.mesh.shape),
         "processes": jax.process_count(),
-        **{f"eval_{name}": _to_json(value) for name, value in trained.items()},
-        "untrained": {f"eval_{name}": _to_json(value) for name, value in untrained.items()},
+        **{f"eval_{name}": value for name, value in plain(trained).items()},
+        "untrained": {f"eval_{name}": value for name, value in plain(untrained).items()},
     }
+    if run.seeds is not None:
+        curves = np.asarray([r["loss"] for r in records], dtype=float).T  # (seeds, logged steps)
+        summary.update(
+            seeds=list(run.seeds),
+            curve_steps=[r["step"] for r in records],
+            curves=curves.tolist(),
+            diverged=[s for s, ok in zip(run.seeds, np.isfinite(curves).all(axis=1), strict=True) if not ok],
+        )
+    if run.probes is not None:
+        names = [name for name in run.probes.records[0] if name != "step"]
+        summary["probes"] = {
+            "step": [r["step"] for r in run.probes.records],
+            **{name: [r[name] for r in run.probes.records] for name in names},
+        }
+    return summary
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def write_outputs(run: Run, summary: dict, examples_after: Any) -> None:
     """The task's pictures of the trained model, summary.json (process 0), the
     evaluation scalars to TensorBoard."""
-    if run.pictures_before is not None and run.setup.report is not None:
+    if run.pictures_before is not None and run.setup.save_examples is not None:
         started = time.perf_counter()
         with disk_full_guard(f"the pictures in {run.workdir}", "the final checkpoint is kept"):
             summary.update(run.pictures_before.result())
-            summary.update(run.setup.report(run.workdir, "after", examples_after))
+            summary.update(run.setup.save_examples(run.workdir, "after", examples_after))
         run.timings["report_s"] = time.perf_counter() - started
     run.timings["compile_s"] = run.programs.compile_seconds()
     run.timings["train_loop_s"] = run.programs.train_seconds
     summary["wall_time_s"] = time.perf_counter() - run.started
     summary["timings"] = run.timings
-    if run.primary:
+    if run.primary and run.workdir is not None:
         with disk_full_guard(f"{run.workdir / 'summary.json'}", "the final checkpoint is kept"):
             write_json(run.workdir / "summary.json", summary)
     _barrier("summary written")

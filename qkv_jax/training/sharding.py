@@ -107,13 +107,16 @@ def partition_spec(path, shape: tuple[int, ...], model_size: int) -> P:
     return P(*spec)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
-    """NamedShardings for every leaf of a train state (or any params-like tree)."""
-    model_size = mesh.shape["model"]
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, partition_spec(path, np.shape(leaf), model_size)),
-        abstract_state,
-    )
+def state_shardings(abstract_state: Any, mesh: Mesh, seed_axis: bool = False) -> Any:
+    """NamedShardings for every leaf of a train state (or any params-like tree); with
+    `seed_axis`, every leaf has a leading seed axis (vmapped seeds), which is not split."""
+    model_size, lead = mesh.shape["model"], int(seed_axis)
+
+    def sharding(path, leaf):
+        spec = partition_spec(path, np.shape(leaf)[lead:], model_size)
+        return NamedSharding(mesh, P(*([None] * lead), *spec))
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 
 def gather(x: Any) -> np.ndarray:

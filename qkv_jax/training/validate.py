@@ -1,17 +1,27 @@
-"""Config validation: every check names the field and the value it got."""
+"""Config validation: every check names the field and the value it got.
+
+`validate_shared_sections` checks what every config shares (seed, train.*,
+eval.num_examples); `build_setup` runs it before the task's own `build`,
+which checks the task's sections with the `require_*` helpers here.
+"""
 
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "validate_shared_sections",
     "ConfigError",
     "get_field",
     "require_positive_int",
     "require_nonnegative_int",
     "require_positive_float",
+    "require_nonnegative_float",
     "require_fraction",
     "require_choice",
     "require_bool",
@@ -52,14 +62,21 @@ def require_nonnegative_int(config: Any, *fields: str) -> None:
             raise ConfigError(f"{field}={value!r}: must be a non-negative integer")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def require_nonnegative_float(config: Any, *fields: str) -> None:
+    for field in fields:
+        value = get_field(config, field)
+        if not _is_number(value) or not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{field}={value!r}: must be a finite number >= 0")
+
+
 def require_positive_float(config: Any, *fields: str) -> None:
     for field in fields:
         value = get_field(config, field)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and value > 0)
-        ):
+        if not _is_number(value) or not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{field}={value!r}: must be a positive finite number")
 
 
@@ -67,7 +84,7 @@ def require_fraction(config: Any, *fields: str) -> None:
     """A rate in [0, 1)."""
     for field in fields:
         value = get_field(config, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        if not _is_number(value) or not 0 <= value < 1:
             raise ConfigError(f"{field}={value!r}: must be in [0, 1)")
 
 
@@ -89,3 +106,29 @@ def require_divides(config: Any, divisor_field: str, dividend_field: str) -> Non
     divisor, dividend = get_field(config, divisor_field), get_field(config, dividend_field)
     if dividend % divisor:
         raise ConfigError(f"{divisor_field}={divisor} does not divide {dividend_field}={dividend}")
+
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
+
+
+def validate_shared_sections(config: Any) -> None:
+    """Checks the fields every experiment shares: seed, train.* and eval.num_examples."""
+    require_nonnegative_int(config, "seed")
+    require_positive_int(
+        config, "train.steps", "train.batch_size", "train.log_every", "train.checkpoint_every"
+    )
+    require_positive_float(config, "train.learning_rate")
+    require_choice(config, "train.optimizer", OPTIMIZERS)
+    require_choice(config, "train.schedule", SCHEDULES)
+    require_bool(config, "train.overwrite", "train.checkify", "train.convert_kv_heads")
+    require_nonnegative_int(config, "train.warmup_steps", "train.keep_checkpoints")
+    require_positive_int(config, "eval.num_examples")
+    require_nonnegative_float(config, "train.weight_decay")
+    if get_field(config, "train.grad_clip_norm") is not None:
+        require_positive_float(config, "train.grad_clip_norm")
+    source = get_field(config, "train.init_from")
+    if source is not None and (not isinstance(source, str) or not pathlib.Path(source).is_dir()):
+        raise ConfigError(f"train.init_from={source!r}: not a directory (a run's workdir or checkpoint)")
+    if config["train"]["convert_kv_heads"] and source is None:
+        raise ConfigError("train.convert_kv_heads=True: needs train.init_from (the run to convert)")

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 from absl import logging
 
 from qkv_jax.training.tensorboard import EventWriter
@@ -37,6 +38,8 @@ __all__ = [
     "disk_full_guard",
     "prepare_workdir",
     "write_json",
+    "read_json",
+    "plain",
     "read_metrics",
     "MetricsWriter",
     "flatten",
@@ -49,7 +52,6 @@ RESUMABLE_FIELDS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.overwrite",
-    "train.progress",
     "eval.",
     "mesh.",  # a run may resume on another device layout
 )
@@ -185,6 +187,26 @@ def write_json(path: str | pathlib.Path, data: Any) -> None:
     os.replace(f.name, path)
 
 
+def read_json(path: str | pathlib.Path) -> Any:
+    """The JSON in `path`, or None when there is no such file; a ConfigError naming the file
+    when it is not valid JSON."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid JSON ({error}); move it aside or delete it") from None
+
+
+def plain(tree: Any) -> Any:
+    """Arrays (and numpy scalars) in `tree` as Python numbers and nested lists, for JSON."""
+    if isinstance(tree, dict):
+        return {name: plain(value) for name, value in tree.items()}
+    array = np.asarray(tree)
+    return array.item() if array.ndim == 0 else array.tolist()
+
+
 def _differences(saved: dict, current: dict, resumable: tuple[str, ...]) -> list[str]:
     saved_flat, current_flat = flatten(saved), flatten(current)
     changed = []
@@ -278,30 +300,32 @@ class MetricsWriter:
     On resume from `start_step` it keeps the earlier records on the `log_every`
     grid and drops the rest (records a killed run wrote past its checkpoint, and
     the final-step record of a run that is now extended), so a resumed run's
-    file equals an uninterrupted run's.
+    file equals an uninterrupted run's. `records` holds every record of the run
+    (kept and new); with `path` None (a run without a workdir) or `enabled`
+    False (not process 0) nothing is written.
     """
 
     def __init__(
         self,
-        path: str | pathlib.Path,
+        path: str | pathlib.Path | None,
         start_step: int,
         log_every: int,
         enabled: bool = True,
         tensorboard: bool = True,
     ):
-        self.path = pathlib.Path(path)
-        self.enabled = enabled
-        self.last_step = start_step - 1  # of the last record written
-        self._tensorboard: EventWriter | None = None
-        if not enabled:
-            return
-        kept = [
+        self.path = None if path is None else pathlib.Path(path)
+        self.enabled = enabled and self.path is not None
+        self.records = [
             r
-            for r in read_metrics(self.path)
+            for r in (read_metrics(self.path) if self.path is not None else [])
             if r.get("step", 0) < start_step and r.get("step", 0) % log_every == 0
         ]
-        self._write_all(kept)
-        self._file = open(self.path, "a")
+        self.last_step = start_step - 1  # of the last record written
+        self._tensorboard: EventWriter | None = None
+        if not self.enabled:
+            return
+        self._write_all(self.records)
+        self._file = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
         if not tensorboard:
             return
         try:
@@ -312,6 +336,7 @@ class MetricsWriter:
             )
 
     def _write_all(self, records: Iterable[dict]) -> None:
+        assert self.path is not None
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
             for record in records:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -319,6 +344,7 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         self.last_step = record["step"]
+        self.records.append(record)
         if not self.enabled:
             return
         self._file.write(json.dumps(record, sort_keys=True) + "\n")

@@ -1,4 +1,4 @@
-"""Issue 16's studies of the char LM's learned projections, from per-seed `train_and_evaluate` runs.
+"""Fine-tuning the char LM's learned projections, studied on per-seed `train_and_evaluate` runs.
 
   pretrain(base, directory, seeds)   the char LM on the standard library, one run per seed in
                                      <directory>/seed_<s>: the source of the three studies
@@ -18,7 +18,7 @@
                                      each head's ablation cost (eval_head_ablation) against its
                                      diagnostics (attention entropy, previous-token weight,
                                      induction score): Spearman correlations per seed.
-  WRITERS                            each study's table and plot, for `lm_studies.write_results`.
+  STUDIES                            each study's entry for the launcher (experiments/study.py).
 
 Every number is a mean over seeds with a t-based 95% interval (`stats.mean_interval`);
 comparisons on the same seeds are paired (`stats.paired_difference`). Fine-tunes run
@@ -31,14 +31,16 @@ import ast
 import copy
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from qkv_jax import text
+from qkv_jax.studies.grid import apply_overrides
+from qkv_jax.studies.results import Study
+from qkv_jax.studies.stats import mean_interval, paired_difference
 from qkv_jax.training.run import train_and_evaluate
-from qkv_jax.training.stats import mean_interval, paired_difference
-from qkv_jax.training.sweep import apply_overrides
 
 __all__ = [
     "RANKS",
@@ -49,11 +51,12 @@ __all__ = [
     "lora_finetune",
     "kv_conversion",
     "head_ablation",
-    "WRITERS",
+    "STUDIES",
 ]
 
 RANKS = (1, 2, 4, 8, 16)
-# lora_targets -> (short name, what it adapts, ranks): the issue's two series, and one with the MLP
+# lora_targets -> (short name, what it adapts, ranks): query+value and all four projections, and
+# the four with the MLP
 TARGETS = {
     "query,value": ("qv", "W_Q, W_V", RANKS),
     "query,key,value,out": ("qkvo", "W_Q, W_K, W_V, W_O", RANKS),
@@ -511,8 +514,33 @@ def _ablation_plot(results: dict, axes: Any) -> None:
 
 
 # study -> (title, table, plot)
-WRITERS = {
-    "lora_finetune": ("Fine-tuning the char LM: LoRA against full fine-tuning", _lora_table, _lora_plot),
-    "kv_conversion": ("MHA -> GQA/MQA: conversion and uptraining", _conversion_table, _conversion_plot),
-    "head_ablation": ("Head ablation against the head diagnostics", _ablation_table, _ablation_plot),
+def _with_pretrained(study: Callable[..., dict]) -> Callable[[dict, pathlib.Path, dict], dict]:
+    """A study over `options["pretrained"]` (default: <workdir>/pretrained) and its seeds."""
+
+    def run(base: dict, workdir: pathlib.Path, options: dict) -> dict:
+        pretrained = options.get("pretrained") or pathlib.Path(workdir) / "pretrained"
+        return study(base, workdir, pathlib.Path(pretrained), options["seeds"])
+
+    return run
+
+
+STUDIES = {
+    "lora_finetune": Study(
+        "Fine-tuning the char LM: LoRA against full fine-tuning",
+        _with_pretrained(lora_finetune),
+        _lora_table,
+        _lora_plot,
+    ),
+    "kv_conversion": Study(
+        "MHA -> GQA/MQA: conversion and uptraining",
+        _with_pretrained(kv_conversion),
+        _conversion_table,
+        _conversion_plot,
+    ),
+    "head_ablation": Study(
+        "Head ablation against the head diagnostics",
+        _with_pretrained(head_ablation),
+        _ablation_table,
+        _ablation_plot,
+    ),
 }

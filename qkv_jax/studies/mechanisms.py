@@ -1,6 +1,6 @@
 """Two studies that follow the learned attention through training.
 
-  thermostat(base, workdir, seeds)  seed 002's mechanism for the 1/sqrt(d_k) scale: per d_k,
+  thermostat(base, workdir, seeds)  why the logits are scaled by 1/sqrt(d_k): per d_k,
                                     with and without it, the gradient norm reaching W_q and
                                     W_k and the attention rows' entropy and largest weight,
                                     at initialisation and every few steps of training.
@@ -12,7 +12,7 @@
 
 Both train through the sweep launcher (`run_sweep`: seeds vmapped, cells checkpointed
 and resumable) with a `probe` measured before training and after every compiled chunk.
-`WRITERS` holds each study's table and plot for `lm_studies.write_results`.
+`STUDIES` holds each study's entry for the launcher (experiments/study.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from qkv_jax.diagnostics import (
     repeated_sequence,
 )
 from qkv_jax.lm import TransformerLM
-from qkv_jax.training.stats import mean_interval
-from qkv_jax.training.sweep import apply_overrides, run_sweep
-from qkv_jax.training.task import Setup, build_setup
-from qkv_jax.training.transformer import layer_attention
+from qkv_jax.studies.grid import apply_overrides
+from qkv_jax.studies.results import Study
+from qkv_jax.studies.stats import mean_interval
+from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.tasks.transformer import layer_attention
+from qkv_jax.training.setup import Setup, build_setup
 from qkv_jax.training.validate import ConfigError
 
-__all__ = ["THERMOSTAT_CELLS", "thermostat", "induction", "WRITERS"]
+__all__ = ["THERMOSTAT_CELLS", "thermostat", "induction", "STUDIES"]
 
 THERMOSTAT_CELLS = [
     {"model.d_k": d_k, "model.scaled": scaled} for d_k in (8, 64, 256, 1024) for scaled in (True, False)
@@ -86,7 +88,8 @@ def thermostat_probe(setup: Setup) -> Any:
 
 
 def thermostat(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
-    """Seed 000's model at each d_k with and without the scale; the probe every compiled chunk."""
+    """The flag task's learned-query model at each d_k with and without the scale; the probe
+    every compiled chunk."""
     rows = run_sweep(base, workdir / "sweep", THERMOSTAT_CELLS, seeds, probe_for=thermostat_probe)
     results = []
     for row in rows:
@@ -242,12 +245,17 @@ def _induction_plot(results: dict, axes: Any) -> None:
     axes[0].legend(fontsize=6)
 
 
-# study -> (title, table, plot), for lm_studies.write_results
-WRITERS = {
-    "thermostat": (
+STUDIES = {
+    "thermostat": Study(
         "The thermostat's mechanism: gradients through a near one-hot softmax",
+        lambda base, workdir, options: thermostat(base, workdir, options["seeds"]),
         _thermostat_table,
         _thermostat_plot,
     ),
-    "induction": ("Induction heads forming", _induction_table, _induction_plot),
+    "induction": Study(
+        "Induction heads forming",
+        lambda base, workdir, options: induction(base, workdir, options["seeds"]),
+        _induction_table,
+        _induction_plot,
+    ),
 }

@@ -56,6 +56,8 @@ __all__ = [
     "validate_run_data",
     "write_run_page",
     "write_sweep_page",
+    "swept_fields",
+    "format_value",
 ]
 
 # Attention weights are stored as round(weight * LEVELS) in one byte.
@@ -255,7 +257,7 @@ def _text(value: Any) -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("qkv_jax.training").joinpath("explorer_assets", name).read_text(encoding="utf-8")
+    return resources.files("qkv_jax.report").joinpath("explorer_assets", name).read_text(encoding="utf-8")
 
 
 def _document(title: str, body: str, scripts: Sequence[str]) -> str:
@@ -291,10 +293,23 @@ def _relative_link(link: Any, cell: dict) -> str | None:
     return link
 
 
+def swept_fields(rows: list[dict]) -> list[str]:
+    """The fields the rows' cells set, in first-seen order."""
+    fields: list[str] = []
+    for row in rows:
+        fields += [f for f in row["cell"] if f not in fields]
+    return fields
+
+
+def format_value(value: Any) -> str:
+    """A table entry: floats to 4 significant digits."""
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
 def _stats_cell(stats: dict | None) -> tuple[str, Any]:
     """The text of a `mean ± std [min, max]` cell and its sort value ('' sorts last)."""
-    from qkv_jax.training.sweep import format_value
-
     if stats is None:
         return "-", ""
     mean, std, low, high = (format_value(stats[key]) for key in ("mean", "std", "min", "max"))
@@ -305,7 +320,6 @@ def _stats_cell(stats: dict | None) -> tuple[str, Any]:
 def _sweep_row(row: dict, fields: list[str], columns: list[str], link: str | None) -> str:
     """One <tr> of the sweep table, each entry linked to `link`. A cell's data-value is what it
     sorts by: a number, or '' (sorts last); without one it sorts by its text."""
-    from qkv_jax.training.sweep import format_value
 
     def cell(text: str, value: Any = None) -> str:
         shown = f'<a href="{_text(link)}">{_text(text)}</a>' if link and text else _text(text)
@@ -327,27 +341,23 @@ def write_sweep_page(
     path: str | pathlib.Path,
     rows: list[dict],
     metric: str,
-    link_for_cell: Callable[[dict], str | None] | dict[str, str],
+    link_for_cell: Callable[[dict], str | None],
     *,
     extra: Sequence[str] = (),
 ) -> pathlib.Path:
-    """Writes `results.html`-style page: the sweep's results table (as `sweep.results_table`),
-    sortable by any column, each cell's entries linking to its run's page.
+    """Writes a `results.html`-style page: a sweep's results table (as
+    `qkv_jax.studies.results.results_table`), sortable by any column, each cell's entries
+    linking to its run's page.
 
-    `rows` are `sweep.summarize` rows (or skipped rows); `link_for_cell` maps a
-    row's cell to a relative link (None: no page), or is a dict keyed by
-    `sweep.cell_name(cell)`. Returns the path."""
-    from qkv_jax.training.sweep import cell_name, swept_fields
-
+    `rows` are a sweep's result rows (done or skipped); `link_for_cell` maps a
+    row's cell (its dict of overrides) to a relative link, or None for no page.
+    Returns the path."""
     fields, columns = swept_fields(rows), [metric, *extra]
     header = fields + [f"{c} mean ± std [min, max]" for c in columns] + ["seeds", "time (s)"]
     body = []
     for row in rows:
-        if isinstance(link_for_cell, dict):
-            link = link_for_cell.get(cell_name(row["cell"]))
-        else:
-            link = link_for_cell(row["cell"])
-        body.append(_sweep_row(row, fields, columns, _relative_link(link, row["cell"])))
+        link = _relative_link(link_for_cell(row["cell"]), row["cell"])
+        body.append(_sweep_row(row, fields, columns, link))
     table = (
         '<table id="results" class="sortable"><thead><tr>'
         + "".join(f'<th scope="col">{_text(h)}</th>' for h in header)

@@ -13,7 +13,7 @@ Metrics (nats and bits per character):
                                      (`head_mask`) minus without, on the first
                                      `eval.ablation_examples` validation windows (0 = not
                                      measured): one forward pass per head.
-The report writes `tokenizer.json` and `samples.txt` (generated from
+`save_examples` writes `tokenizer.json` and `samples.txt` (generated from
 `eval.sample_prompt` before and after training) into the workdir.
 
 A run started from another (`train.init_from`) reads its text with the
@@ -37,25 +37,24 @@ from jax import lax
 
 from qkv_jax import text
 from qkv_jax.diagnostics import (
-    collect_attention_weights,
     head_diagnostics,
     induction_scores,
     repeated_sequence,
 )
 from qkv_jax.finetune import head_ablation_masks
 from qkv_jax.lm import TransformerLM, sample_tokens
-from qkv_jax.training import validate
-from qkv_jax.training.checkpoints import load_train_state
-from qkv_jax.training.init_from import source_tokenizer_path
-from qkv_jax.training.loop import TrainState, make_optimizer, only_adapters_train, validate_train_config
-from qkv_jax.training.task import AttentionView, Setup
-from qkv_jax.training.transformer import (
+from qkv_jax.tasks.transformer import (
+    causal_model,
+    check_sequence_length,
     cross_entropy,
     init_params,
+    layer_attention,
     make_model,
     training_logits,
-    validate_model_config,
 )
+from qkv_jax.training import validate
+from qkv_jax.training.checkpoints import NoCheckpointError, locate_run
+from qkv_jax.training.setup import AttentionView, Setup
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
@@ -66,7 +65,6 @@ __all__ = [
     "validate_config",
     "load_corpus",
     "read_run",
-    "restore_params",
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -78,18 +76,19 @@ REPORT_TEXT_LENGTH = 64  # characters of each text the explorer page shows
 
 
 def validate_config(config: Any) -> None:
-    validate_train_config(config)
-    validate.require_positive_int(config, "task.seq_len")
-    validate_model_config(config, config["task"]["seq_len"], "task.seq_len")
+    """The task's own sections (task, data, eval) and the model section at the largest
+    vocabulary `data.max_vocab_size` allows (the corpus, read later, sets the real one)."""
+    validate.require_positive_int(config, "task.seq_len", "data.max_vocab_size")
+    model = make_model(config["model"], config["data"]["max_vocab_size"])
+    check_sequence_length(model, config["task"]["seq_len"], "task.seq_len")
     data, evaluation = config["data"], config["eval"]
     if data["path"] is not None and not pathlib.Path(data["path"]).is_file():
         raise ConfigError(f"data.path={data['path']!r}: not a readable file")
     validate.require_fraction(config, "data.validation_fraction")
     if data["validation_fraction"] == 0:
         raise ConfigError("data.validation_fraction=0: must be in (0, 1)")
-    validate.require_positive_int(config, "data.max_vocab_size", "eval.num_samples", "eval.sample_length")
-    if "ablation_examples" in evaluation:
-        validate.require_nonnegative_int(config, "eval.ablation_examples")
+    validate.require_positive_int(config, "eval.num_samples", "eval.sample_length")
+    validate.require_nonnegative_int(config, "eval.ablation_examples")
     if data["max_vocab_size"] < 2:
         raise ConfigError(f"data.max_vocab_size={data['max_vocab_size']}: must be >= 2")
     if not isinstance(evaluation["sample_prompt"], str) or not evaluation["sample_prompt"]:
@@ -97,11 +96,11 @@ def validate_config(config: Any) -> None:
     if isinstance(evaluation["temperature"], bool) or not evaluation["temperature"] >= 0:
         raise ConfigError(f"eval.temperature={evaluation['temperature']!r}: must be >= 0")
     decoded = len(evaluation["sample_prompt"]) + evaluation["sample_length"] - 1
-    if decoded > config["model"]["max_len"]:
+    if decoded > model.config.max_len:
         raise ConfigError(
             f"eval.sample_length={evaluation['sample_length']}: with the {len(evaluation['sample_prompt'])}"
             f"-character eval.sample_prompt it decodes {decoded} positions, past "
-            f"model.max_len={config['model']['max_len']}"
+            f"model.max_len={model.config.max_len}"
         )
 
 
@@ -147,7 +146,7 @@ class CharLM:
 
     @property
     def honest(self) -> TransformerLM:
-        return self.model.replace(causal=True)
+        return causal_model(self.model)
 
     def init(self, key: jax.Array) -> Any:
         return init_params(self.model, self.seq_len, key)
@@ -182,7 +181,7 @@ class CharLM:
         )
         metrics["unigram_bits_per_char"] = data["unigram_bits_per_char"]
         metrics.update(self.head_metrics(params, validation_batch["inputs"], sample_key))
-        if self.evaluation.get("ablation_examples", 0):
+        if self.evaluation["ablation_examples"]:
             metrics["head_ablation"] = self.head_ablation(params, validation_batch)
         return metrics, {"samples": self.samples(params, sample_key)}
 
@@ -211,22 +210,17 @@ class CharLM:
             self.honest, params, prompts, key, temperature, max_new_tokens=length, top_k=None
         )
 
-    def layer_weights(self, params: Any, tokens: jax.Array) -> list[jax.Array]:
-        """[attention weights (B, N, T, T) of block 0, block 1, ...] of the causal model."""
-        probe = self.model.replace(causal=True, sow_weights=True)
-        _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
-        weights = collect_attention_weights(state["intermediates"])
-        return [weights[f"block_{layer}/attention"] for layer in range(self.model.config.num_layers)]
-
     def head_metrics(self, params: Any, tokens: jax.Array, key: jax.Array) -> dict:
         """Per layer and head ([L, N] each) on validation text, and induction scores."""
-        stats = [head_diagnostics(w) for w in self.layer_weights(params, tokens[:DIAGNOSTIC_EXAMPLES])]
+        stats = [
+            head_diagnostics(w) for w in layer_attention(self.model, params, tokens[:DIAGNOSTIC_EXAMPLES])
+        ]
         repeat = self.seq_len // 2  # induction: a random sequence of this length, then again
         vocab_size = self.tokenizer.vocab_size
         repeated = repeated_sequence(key, DIAGNOSTIC_EXAMPLES, repeat, vocab_size)
         metrics = {f"head_{name}": jnp.stack([s[name] for s in stats]) for name in stats[0]}
         metrics["head_induction"] = jnp.stack(
-            [induction_scores(w, repeat) for w in self.layer_weights(params, repeated)]
+            [induction_scores(w, repeat) for w in layer_attention(self.model, params, repeated)]
         )
         return metrics
 
@@ -234,11 +228,11 @@ class CharLM:
         """Attention maps of every block on `text_input` (default: a line of Python)."""
         shown = (text_input or DEFAULT_INSPECT_TEXT)[: self.model.config.max_len]
         tokens = jnp.asarray(self.tokenizer.encode(shown))[None, :]  # (1, T)
-        weights = jax.jit(self.layer_weights)(params, tokens)
+        weights = jax.jit(layer_attention, static_argnums=0)(self.model, params, tokens)
         labels = [repr(c)[1:-1] for c in shown]
         return AttentionView({f"block {i}": w[0] for i, w in enumerate(weights)}, labels, labels, [])
 
-    def report_inputs(self, data: dict, prompt: str | None) -> list[tuple[str, str]]:
+    def explorer_inputs(self, data: dict, prompt: str | None) -> list[tuple[str, str]]:
         """`prompt` (when given) and three windows of validation text, spread over the split."""
         validation = np.asarray(data["validation"])
         length = min(REPORT_TEXT_LENGTH, self.model.config.max_len, len(validation))
@@ -249,7 +243,7 @@ class CharLM:
         ]
         return ([("prompt", prompt)] if prompt else []) + windows
 
-    def report(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
+    def save_examples(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
         """tokenizer.json (before training) and the samples, into samples.txt."""
         workdir = pathlib.Path(workdir)
         if stage == "before":
@@ -264,13 +258,20 @@ class CharLM:
 
 
 def source_tokenizer(config: dict) -> text.CharTokenizer | None:
-    """The tokenizer.json of `train.init_from`'s run, if it is set and has one."""
-    source = config["train"].get("init_from")
-    path = source_tokenizer_path(source, TOKENIZER_FILE) if source else None
-    return None if path is None else text.CharTokenizer.load(path)
+    """The tokenizer.json of the run `train.init_from` names, if it is set and has one (found
+    from the path alone: a resumed fine-tune reads it even if the source kept no checkpoint)."""
+    source = config["train"]["init_from"]
+    if source is None:
+        return None
+    try:
+        path = locate_run(source).workdir / TOKENIZER_FILE
+    except NoCheckpointError:
+        path = pathlib.Path(source) / TOKENIZER_FILE
+    return text.CharTokenizer.load(path) if path.is_file() else None
 
 
 def build(config: Any) -> Setup:
+    """The char LM's Setup: the corpus read and split, its tokenizer, the TransformerLM."""
     validate_config(config)
     tokenizer, train_ids, validation_ids = load_corpus(config["data"], source_tokenizer(config))
     _check_corpus(config, train_ids, validation_ids)
@@ -292,7 +293,8 @@ def build(config: Any) -> Setup:
 
 def read_run(workdir: str | pathlib.Path) -> tuple[dict, text.CharTokenizer, TransformerLM]:
     """(config, tokenizer, model) of the char_lm run in `workdir`, from its
-    `config.json` and `tokenizer.json` (host only: nothing is computed)."""
+    `config.json` and `tokenizer.json` (host only: nothing is computed; its
+    parameters are `qkv_jax.training.read_params(workdir)`)."""
     workdir = pathlib.Path(workdir)
     for name in ("config.json", TOKENIZER_FILE):
         if not (workdir / name).is_file():
@@ -300,13 +302,3 @@ def read_run(workdir: str | pathlib.Path) -> tuple[dict, text.CharTokenizer, Tra
     config = json.loads((workdir / "config.json").read_text())
     tokenizer = text.CharTokenizer.load(workdir / TOKENIZER_FILE)
     return config, tokenizer, make_model(config["model"], tokenizer.vocab_size)
-
-
-def restore_params(workdir: str | pathlib.Path, config: dict, model: TransformerLM) -> tuple[Any, int]:
-    """(params, step) of the newest usable checkpoint in `workdir`/checkpoints, without
-    reading the corpus. ValueError when there is none."""
-    params = init_params(model, config["task"]["seq_len"], jax.random.PRNGKey(0))
-    tx = only_adapters_train(make_optimizer(config["train"]), params)
-    template = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    step, state = load_train_state(workdir, template)
-    return state.params, step

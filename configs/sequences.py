@@ -1,12 +1,12 @@
 r"""The char LM's TransformerLM on synthetic next-token tasks with a known answer.
 
   copy      random symbols, a separator, the same symbols again (about 20 s on 2 CPU cores):
-            python -m experiments.train --config configs/lm_tasks.py:copy --workdir runs/copy
+            python -m experiments.train --config configs/sequences.py:copy --workdir runs/copy
   brackets  a random bracket prefix, "=", the closing brackets that complete it (about a minute):
-            python -m experiments.train --config configs/lm_tasks.py:brackets --workdir runs/brackets
+            python -m experiments.train --config configs/sequences.py:brackets --workdir runs/brackets
   repeat    a random segment of random length, repeated (induction heads form to predict it;
-            python -m experiments.lm_studies induction ... follows them):
-            python -m experiments.train --config configs/lm_tasks.py:repeat --workdir runs/repeat
+            python -m experiments.study induction ... follows them):
+            python -m experiments.train --config configs/sequences.py:repeat --workdir runs/repeat
 
 eval_accuracy is the share of answer tokens predicted right (argmax), eval_sequence_accuracy
 the share of sequences with every answer right. Any field can be overridden,
@@ -17,7 +17,7 @@ import ml_collections
 
 from configs import common
 
-# variant -> its task fields (qkv_jax/training/lm_tasks.py SEQUENCE_TASKS) and training steps.
+# variant -> its task fields (qkv_jax/training/sequences.py SEQUENCE_TASKS) and training steps.
 TASKS = {
     # Symbols to copy (sequences are 2 * length tokens); tokens: the separator 0, symbols 1 .. vocab_size - 1.
     "copy": ({"length": 8, "vocab_size": 16}, 400),
@@ -32,10 +32,10 @@ VARIANTS = tuple(TASKS)
 def get_config(arg=None):
     variant = arg or "copy"
     if variant not in TASKS:
-        raise ValueError(f"configs/lm_tasks.py:{variant}: unknown variant; choose one of {VARIANTS}")
+        raise ValueError(f"configs/sequences.py:{variant}: unknown variant; choose one of {VARIANTS}")
     fields, steps = TASKS[variant]
     config = common.base(f"lm_{variant}")
-    config.task = common.task("qkv_jax.training.lm_tasks", variant)
+    config.task = common.task("qkv_jax.tasks.sequences", variant)
     config.task.update(fields)
     # Positions: the sequence length, 2 * task.length (lazy, follows overrides).
     config.model = common.transformer(

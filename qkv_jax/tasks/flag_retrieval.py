@@ -1,4 +1,17 @@
-"""Seed 000's flag-retrieval experiment as a task: config -> model and pure functions."""
+"""The flag-retrieval task: a learned query must find the flagged token; fixed attention cannot.
+
+`flag_retrieval_batch` generates it from a PRNG key. Each example is
+`seq_len` tokens of width `d_model`: `d_model - num_flags` content
+dimensions drawn fresh from N(0, 1), then `num_flags` flag channels. Flag
+channel j is 1 at one position p_j (distinct positions for distinct channels)
+and 0 elsewhere. The target is the content at p_0, then at p_1, ...:
+nothing about the content tells where the flags are, so raw embedding
+similarity carries no signal; only the flag channels do. With one flag: content ~ N(0, 1), the flag at a
+uniformly random position, target = that position's content.
+
+The task (`build`): a `FlagReader` (qkv_jax.models) trained to output the
+flagged content, evaluated on fresh examples (`flag_metrics`).
+"""
 
 from __future__ import annotations
 
@@ -11,18 +24,54 @@ import jax.numpy as jnp
 
 from qkv_jax.diagnostics import head_diagnostics
 from qkv_jax.models import FLAG_READER_KINDS, FlagReader
-from qkv_jax.tasks.flag import flag_retrieval_batch
+from qkv_jax.tasks.transformer import PRECISIONS
 from qkv_jax.training import validate
-from qkv_jax.training.loop import validate_train_config
-from qkv_jax.training.task import AttentionView, Setup
-from qkv_jax.training.transformer import PRECISIONS
+from qkv_jax.training.setup import AttentionView, Setup
 from qkv_jax.training.validate import ConfigError
 
-__all__ = ["FlagRetrieval", "build", "validate_config", "attention_weights", "flag_metrics"]
+__all__ = [
+    "flag_retrieval_batch",
+    "FlagRetrieval",
+    "build",
+    "validate_config",
+    "attention_weights",
+    "flag_metrics",
+]
+
+
+def flag_retrieval_batch(
+    key: jax.Array, batch_size: int, seq_len: int, d_model: int, num_flags: int = 1
+) -> dict[str, jax.Array]:
+    """A batch of the flag task.
+
+    Returns:
+      inputs `[batch_size, seq_len, d_model]` float32,
+      targets `[batch_size, num_flags * (d_model - num_flags)]`,
+      flag_positions `[batch_size, num_flags]` int32 (position of each flag).
+    """
+    if not 1 <= num_flags <= seq_len or num_flags >= d_model:
+        raise ValueError(
+            f"flag_retrieval_batch: need 1 <= num_flags <= seq_len and num_flags < d_model, got "
+            f"num_flags={num_flags}, seq_len={seq_len}, d_model={d_model}"
+        )
+    # One draw: the content, plus one extra standard normal per position whose
+    # top num_flags entries pick the flagged positions (distinct, uniformly random).
+    noise = jax.random.normal(key, (batch_size, seq_len, d_model - num_flags + 1))
+    content = noise[..., :-1]  # (B, S, C)
+    _, flag_positions = jax.lax.top_k(noise[..., -1], num_flags)  # (B, F)
+    flag_positions = flag_positions.astype(jnp.int32)
+    flags = jax.nn.one_hot(flag_positions, seq_len, axis=1)  # (B, S, F)
+    inputs = jnp.concatenate([content, flags], axis=-1)  # (B, S, D)
+    targets = jnp.take_along_axis(content, flag_positions[:, :, None], axis=1)  # (B, F, C)
+    return {
+        "inputs": inputs,
+        "targets": targets.reshape(batch_size, -1),  # (B, F * C)
+        "flag_positions": flag_positions,
+    }
 
 
 def validate_config(config: Any) -> None:
-    validate_train_config(config)
+    """The task and model sections: ConfigError naming the first bad field and its value."""
     validate.require_choice(config, "model.kind", FLAG_READER_KINDS)
     validate.require_positive_int(
         config, "model.d_model", "model.d_k", "model.num_heads", "task.seq_len", "task.num_flags"
@@ -63,7 +112,7 @@ def flag_metrics(predictions, weights, batch, num_flags: int) -> dict[str, jax.A
 
     accuracy: the `num_flags` most attended positions (head-averaged) are
       exactly the flagged ones; for one flag, the top-attended position is the
-      flagged one (seed 000's check).
+      flagged one.
     decode_accuracy: each predicted content slot is nearest (L2) to the content
       at its flagged position, among all positions.
     mse: mean squared error against the targets.
@@ -137,7 +186,7 @@ class FlagRetrieval:
         }
         return flag_metrics(predictions, weights, batch, self.num_flags), examples
 
-    def report(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
+    def save_examples(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
         """attention_<stage>.png: the plotted examples' attention rows, the flags ringed."""
         from qkv_jax.plots import plot_flag_attention  # matplotlib only when writing pictures
 
@@ -159,13 +208,14 @@ class FlagRetrieval:
             {"attention": weights[0][:, None, :]}, ["query"], keys, sorted(flagged)
         )  # (N, 1, S)
 
-    def report_inputs(self, data: Any, prompt: str | None) -> list[tuple[str, str]]:
+    def explorer_inputs(self, data: Any, prompt: str | None) -> list[tuple[str, str]]:
         """Four fresh examples (seeds 0-3; a prompt has no meaning here)."""
         del data, prompt
         return [(f"example {seed}", str(seed)) for seed in range(4)]
 
 
 def build(config: Any) -> Setup:
+    """The flag task's Setup: a FlagReader of `model.kind` and the pure functions around it."""
     validate_config(config)
     model_config, task = config["model"], config["task"]
     num_flags, d_model = task["num_flags"], model_config["d_model"]
@@ -186,6 +236,6 @@ def build(config: Any) -> Setup:
         num_flags=num_flags,
         batch_size=config["train"]["batch_size"],
         num_eval_examples=config["eval"]["num_examples"],
-        num_plot_examples=config["eval"].get("num_plot_examples", 8),
+        num_plot_examples=config["eval"]["num_plot_examples"],
     )
     return Setup.from_methods(flag, model=model)

@@ -1,16 +1,17 @@
-"""What an experiment is to the trainer: a `Setup` of pure functions, built by a task module.
+"""What an experiment is to the trainer: a `Setup` of pure functions, built by a task.
 
 A task is a Python module with one function, `build(config: dict) -> Setup`,
 named in the config by its dotted import path (`config.task.module`), as
-big_vision names its models: the built-in tasks are modules of
-`qkv_jax.training` (`flag_retrieval`, `char_lm`, `lm_tasks`), and a task in a
-researcher's own package trains the same way, with nothing in qkv_jax edited:
+big_vision names its models: the built-in tasks are the modules of
+`qkv_jax.tasks`, and a task in a researcher's own package trains the same way,
+with nothing in qkv_jax edited:
 
     config.task.module = "my_package.my_task"   # my_package/my_task.py: def build(config) -> Setup
 
-`build` validates the config (raising `ConfigError` naming the field and the
-value) before any array is made, and returns the pure functions the trainer
-compiles. `README.md` ("Add your own task") has a complete example.
+The trainer checks the sections every config shares (seed, train, eval,
+mesh) itself; `build` checks the task's own (raising `ConfigError` naming the
+field and the value) before any array is made, and returns the pure functions
+the trainer compiles. docs/adding_a_task.md has a complete example.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
-from qkv_jax.training.validate import ConfigError, get_field
+from qkv_jax.training.validate import ConfigError, get_field, validate_shared_sections
 
 __all__ = ["AttentionView", "Setup", "build_setup", "to_dict"]
 
@@ -42,7 +43,7 @@ class AttentionView(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """One experiment, as pure functions (all jittable except `report` and `inspect`).
+    """One experiment, as pure functions (all jittable except `save_examples` and `inspect`).
 
     Attributes:
       model: the Flax module the parameters belong to (its `apply` is the
@@ -53,10 +54,10 @@ class Setup:
         dropout.
       evaluate: `evaluate(params, key, data) -> (metrics, examples)` on fresh data:
         a dict of scalar (or small array) metrics, and a pytree of per-example
-        outputs for the report.
-      report: optional host-side `report(workdir, stage, examples) -> dict`,
+        outputs for `save_examples`.
+      save_examples: optional host-side `save_examples(workdir, stage, examples) -> dict`,
         called with stage "before" (the untrained model's examples) and
-        "after"; writes pictures and returns extra summary entries.
+        "after": draws pictures, writes samples, and returns extra summary entries.
       data: a pytree of arrays the functions above read (a text corpus, say),
         passed to them as an argument so that it is never baked into the
         compiled program as a constant.
@@ -64,11 +65,11 @@ class Setup:
         attention weights of every layer on one input (`text` as the task
         reads it, or None for a default one), for `experiments.inspect` and
         the explorer page of `experiments.report`.
-      report_inputs: optional `report_inputs(data, prompt) -> [(name, text)]`:
+      explorer_inputs: optional `explorer_inputs(data, prompt) -> [(name, text)]`:
         the inputs the explorer page shows (`prompt`: one given on the command
         line, or None).
-      outputs: the files (besides pictures) `report` writes into the workdir,
-        so that `train.overwrite` moves them aside with the run's other files.
+      outputs: the files (besides pictures) `save_examples` writes into the
+        workdir, so that `train.overwrite` moves them aside with the run's other files.
     """
 
     model: nn.Module
@@ -76,17 +77,17 @@ class Setup:
     sample_batch: Callable[[jax.Array, Any], Batch]
     loss: Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict]]
     evaluate: Callable[[Params, jax.Array, Any], tuple[dict, Any]]
-    report: Callable[..., dict] | None = None
+    save_examples: Callable[..., dict] | None = None
     data: Any = dataclasses.field(default_factory=dict)
     inspect: Callable[[Params, str | None], AttentionView] | None = None
-    report_inputs: Callable[[Any, str | None], list[tuple[str, str]]] | None = None
+    explorer_inputs: Callable[[Any, str | None], list[tuple[str, str]]] | None = None
     outputs: tuple[str, ...] = ()
 
     @classmethod
     def from_methods(cls, functions: Any, **fields: Any) -> Setup:
-        """A Setup whose functions are `functions`' methods of the same names (`report`,
-        `inspect` and `report_inputs` when it has them), plus `fields` (model, data, outputs)."""
-        names = ("init", "sample_batch", "loss", "evaluate", "report", "inspect", "report_inputs")
+        """A Setup whose functions are `functions`' methods of the same names (`save_examples`,
+        `inspect` and `explorer_inputs` when it has them), plus `fields` (model, data, outputs)."""
+        names = ("init", "sample_batch", "loss", "evaluate", "save_examples", "inspect", "explorer_inputs")
         return cls(**{name: getattr(functions, name) for name in names if hasattr(functions, name)}, **fields)
 
 
@@ -96,12 +97,13 @@ def to_dict(config: Any) -> dict:
 
 
 def build_setup(config: Any) -> Setup:
-    """Imports `config.task.module` and returns its `build(config)` (a validated Setup).
+    """Checks the shared sections, imports `config.task.module` and returns its `build(config)`.
 
     A module that cannot be imported, or has no `build`, is a ConfigError
     naming `task.module`; so is a `build` that returns something else.
     """
     config = to_dict(config)
+    validate_shared_sections(config)
     path = get_field(config, "task.module")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"task.module={path!r}: must be a dotted module path, e.g. 'my_package.my_task'")

@@ -1,4 +1,4 @@
-"""Seed 001's claims about the char LM, measured on `train_and_evaluate` runs.
+"""Two claims about learned attention in a char LM, measured on `train_and_evaluate` runs.
 
   causal_mask(base, workdir)  the same model trained with and without the causal mask:
                               training loss, honest (causal) validation loss, samples.
@@ -7,19 +7,17 @@
                               and MLA at two latent sizes, trained with the sweep
                               launcher (seeds vmapped): validation loss, KV-cache
                               bytes per token, decode tokens/s.
-  write_results(workdir, results, command)
-                              results.json, results.md (a table) and <study>.png.
 
 `base` is a char_lm config as a plain dict; each arm runs in workdir/<arm>/
 (re-running resumes). The study functions return plain dicts (rows of
 numbers and strings), so a sweep or a docs generator can consume them.
-The launcher is experiments/lm_studies.py.
+The launcher is experiments/study.py; `STUDIES` holds each study's entry.
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import dataclasses
 import math
 import pathlib
 import time
@@ -28,10 +26,12 @@ import jax
 import numpy as np
 
 from qkv_jax.lm import TransformerLM, generate, kv_cache_bytes_per_token
+from qkv_jax.studies.grid import apply_overrides
+from qkv_jax.studies.results import Study
+from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.tasks.transformer import make_model
 from qkv_jax.training.run import train_and_evaluate
-from qkv_jax.training.stats import mean_interval, paired_difference
-from qkv_jax.training.sweep import apply_overrides, run_sweep
-from qkv_jax.training.transformer import make_model
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_metrics
 
@@ -41,10 +41,8 @@ __all__ = [
     "causal_mask",
     "kv_heads",
     "decode_tokens_per_second",
-    "write_results",
 ]
 
-STUDIES = ("causal_mask", "kv_heads")
 DECODE_BATCHES = (1, 32)
 
 
@@ -110,7 +108,7 @@ def kv_heads(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
             for b in DECODE_BATCHES
         }
         if model.config.kv_latent_dim:  # the same model rebuilding K and V at every step
-            explicit = model.replace(absorb_latent=False)
+            explicit = model.clone(config=dataclasses.replace(model.config, absorb_latent=False))
             speeds |= {
                 f"decode_tokens_per_s_batch{b}_explicit": decode_tokens_per_second(explicit, params, b)
                 for b in DECODE_BATCHES
@@ -144,7 +142,7 @@ def _heads(base: dict) -> int:
 def _model(base: dict, cell: dict) -> TransformerLM:
     """The TransformerLM of `base` with a sweep cell's overrides."""
     config = apply_overrides(base, cell)
-    if config["task"].get("module") != "qkv_jax.training.char_lm":
+    if config["task"].get("module") != "qkv_jax.tasks.char_lm":
         raise ConfigError(f"task.module={config['task'].get('module')!r}: the K/V study trains the char LM")
     return make_model(config["model"], config["data"]["max_vocab_size"])
 
@@ -247,33 +245,17 @@ def _kv_heads_plot(results: dict, axes) -> None:
     axes[1].tick_params(axis="x", rotation=30)
 
 
-# study -> (title, table, plot)
-_WRITERS = {
-    "causal_mask": ("The causal mask", _causal_mask_table, _causal_mask_plot),
-    "kv_heads": ("Sharing K/V heads: MHA, GQA, MQA, MLA", _kv_heads_table, _kv_heads_plot),
+STUDIES = {
+    "causal_mask": Study(
+        "The causal mask",
+        lambda base, workdir, options: causal_mask(base, workdir),
+        _causal_mask_table,
+        _causal_mask_plot,
+    ),
+    "kv_heads": Study(
+        "Sharing K/V heads: MHA, GQA, MQA, MLA",
+        lambda base, workdir, options: kv_heads(base, workdir, options["cells"], options["seeds"]),
+        _kv_heads_table,
+        _kv_heads_plot,
+    ),
 }
-
-
-def write_results(workdir: pathlib.Path, results: dict, command: str) -> dict:
-    """Writes results.json, results.md and <study>.png into `workdir`; returns the
-    record written to results.json (plain data: rows, markdown table, command)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from qkv_jax.training.attention_studies import WRITERS
-    from qkv_jax.training.finetune_studies import WRITERS as FINETUNE_WRITERS
-
-    title, table, plot = {**_WRITERS, **WRITERS, **FINETUNE_WRITERS}[results["study"]]
-    record = {**results, "command": command, "table": table(results)}
-    workdir = pathlib.Path(workdir)
-    (workdir / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    markdown = [f"# {title}", "", f"Regenerate: `{command}`", "", *record["table"]]
-    (workdir / "results.md").write_text("\n".join(markdown) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    plot(results, axes)
-    fig.tight_layout()
-    fig.savefig(workdir / f"{results['study']}.png", dpi=100)
-    plt.close(fig)
-    return record

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import lm_tasks
+from configs import sequences
+from qkv_jax.tasks.sequences import answer_metrics
 from qkv_jax.training import ConfigError, build_setup, train_and_evaluate
-from qkv_jax.training.lm_tasks import answer_metrics
 
 
 def test_answer_metrics_against_numpy():
@@ -26,7 +26,7 @@ def test_answer_metrics_against_numpy():
 
 
 def small_config(variant, **overrides):
-    config = lm_tasks.get_config(variant)
+    config = sequences.get_config(variant)
     config.task.length = 4
     config.model.num_layers = 1
     config.model.d_model = 16

@@ -1,0 +1,90 @@
+r"""Run one study of learned attention; it writes its own results, table and plot.
+
+  python -m experiments.study causal_mask --workdir runs/causal_mask
+  python -m experiments.study kv_heads --workdir runs/kv_heads --seeds 6
+  python -m experiments.study thermostat --workdir runs/thermostat --seeds 4 \
+    --config configs/flag_retrieval.py:thermostat --config.train.steps=300 --config.train.log_every=10
+  python -m experiments.study induction --workdir runs/induction --seeds 4 \
+    --config configs/sequences.py:repeat --config.train.keep_checkpoints=0
+  python -m experiments.study lora_finetune --workdir runs/lora --pretrained runs/pretrain --seeds 3
+  python -m experiments.study kv_conversion --workdir runs/conversion --pretrained runs/pretrain --seeds 3
+  python -m experiments.study head_ablation --workdir runs/ablation --pretrained runs/pretrain --seeds 3
+
+Each study trains `--config` (default configs/char_lm.py:study; any
+`--config.<field>=` override applies to every run) and writes
+<workdir>/results.json, results.md (a table) and <study>.png. Re-running
+resumes: finished runs and sweep cells are read back, not retrained.
+
+  causal_mask    the same model with and without the causal mask: training loss,
+                 honest (causal) validation loss, and what generation produces.
+  kv_heads       num_heads=8 with num_kv_heads 8, 4, 2, 1 (MHA, GQA, MQA) and MLA
+                 at two latent sizes (the config file's `get_sweep` cells): validation
+                 loss with 95% intervals and the paired difference from MHA, KV-cache
+                 bytes per token, decode tokens/s.
+  thermostat     (a flag_retrieval config) per d_k, with and without 1/sqrt(d_k): the
+                 gradient reaching W_q and W_k, attention entropy and largest weight,
+                 at initialisation and through training.
+  induction      (a sequences.py:repeat config) every head's induction score and
+                 previous-token weight through training: when induction heads form.
+  lora_finetune  each seed's model (pre-trained once per seed in --pretrained, shared
+                 by the three fine-tuning studies) fine-tuned onto the standard
+                 library's docstrings: in full, and with LoRA adapters of rank 1-16.
+  kv_conversion  MHA -> GQA-2 / MQA by mean-pooling K/V heads, with uptraining, against
+                 the same shape trained from scratch for the same total steps.
+  head_ablation  each head's ablation cost against its entropy, previous-token weight
+                 and induction score: rank correlations over seeds.
+"""
+
+import pathlib
+import shlex
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import common
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", "configs/char_lm.py:study", "Base config of every run of the study.", lock_config=True
+)
+flags.DEFINE_string("workdir", None, "Directory for the study's runs and results.")
+flags.DEFINE_integer("seeds", 4, "Seeds (0, 1, ..., seeds - 1); sweep cells train theirs together.")
+flags.DEFINE_string(
+    "pretrained",
+    None,
+    "Fine-tuning studies: the pre-trained runs' directory (default: <workdir>/pretrained).",
+)
+common.define_common_flags()
+
+
+def main(argv):
+    from qkv_jax.studies.catalogue import STUDIES
+
+    if len(argv) != 2 or argv[1] not in STUDIES:
+        common.fail(f"give one study: {', '.join(STUDIES)} (got {argv[1:]})", code=2)
+    if FLAGS.seeds < 1:
+        common.fail(f"--seeds={FLAGS.seeds}: must be at least 1", code=2)
+    common.enable_compilation_cache(FLAGS.compilation_cache)
+    from qkv_jax.studies.results import write_study_results
+    from qkv_jax.training.setup import to_dict
+
+    name, workdir = argv[1], pathlib.Path(FLAGS.workdir)
+    study = STUDIES[name]
+    module, variant = common.config_file_module()
+    options = {
+        "seeds": list(range(FLAGS.seeds)),
+        "pretrained": FLAGS.pretrained and pathlib.Path(FLAGS.pretrained),
+        "cells": module.get_sweep(variant) if hasattr(module, "get_sweep") else None,
+    }
+    workdir.mkdir(parents=True, exist_ok=True)
+    with common.training_errors():
+        results = study.run(to_dict(FLAGS.config), workdir, options)
+    command = "python -m experiments.study " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    record = write_study_results(workdir, results, command, study)
+    print("\n".join(record["table"]))
+    print(f"wrote {workdir}/results.json, results.md, {name}.png")
+
+
+if __name__ == "__main__":
+    common.run_main(main, positional=1)

@@ -1,0 +1,15 @@
+"""Every study the launcher runs (`python -m experiments.study NAME`), by name.
+
+Each entry is a `qkv_jax.studies.results.Study`: how it trains and measures, and
+the table and plot of its results. docs/experiments.md shows each one's results
+with the command that regenerates them.
+"""
+
+from __future__ import annotations
+
+from qkv_jax.studies import finetuning, language_model, mechanisms
+from qkv_jax.studies.results import Study
+
+__all__ = ["STUDIES"]
+
+STUDIES: dict[str, Study] = {**language_model.STUDIES, **mechanisms.STUDIES, **finetuning.STUDIES}

@@ -1,0 +1,128 @@
+"""What every TransformerLM task shares: the model from a config's `model` section, the loss.
+
+The `model` section's fields are `qkv_jax.TransformerConfig`'s, by name (a
+dtype by its name, e.g. "bfloat16"; lora_targets comma-separated), so a new
+model option is a field of TransformerConfig and of
+`configs/common.py:transformer`, and nothing here. TransformerConfig checks
+its own fields where it is built; `make_model` turns its ValueError into the
+one-line ConfigError naming `model.<field>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qkv_jax.diagnostics import collect_attention_weights
+from qkv_jax.lm import TransformerConfig, TransformerLM
+from qkv_jax.training.validate import ConfigError
+
+__all__ = [
+    "PRECISIONS",
+    "transformer_config",
+    "make_model",
+    "check_sequence_length",
+    "cross_entropy",
+    "token_cross_entropy",
+    "init_params",
+    "training_logits",
+    "causal_model",
+    "layer_attention",
+]
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(TransformerConfig))
+# model.precision: jax.lax.Precision's names (flax's spelling).
+PRECISIONS = ("default", "high", "highest")
+
+
+def _config_message(error: Exception) -> str:
+    """A TransformerConfig error in the config's words: `num_heads=3 must divide d_model=128`
+    becomes `model.num_heads=3 must divide model.d_model=128`."""
+    text = re.sub(r"^\w+: ", "", str(error))
+    return re.sub(r"(?<![\w.])(" + "|".join(_FIELDS) + r")(?==)", r"model.\1", text)
+
+
+def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerConfig:
+    """The TransformerConfig a config's `model` section describes (fields by name; others are
+    left out). `overrides`, e.g. `causal=True`, replace fields. ConfigError naming the field
+    when TransformerConfig refuses a value."""
+    fields = {name: value for name, value in model_config.items() if name in _FIELDS}
+    try:
+        for name in ("dtype", "param_dtype"):
+            if isinstance(fields.get(name), str):
+                fields[name] = jnp.dtype(fields[name])
+    except TypeError:
+        raise ConfigError(
+            f"model.{name}={fields[name]!r}: not a dtype name (e.g. float32, bfloat16)"
+        ) from None
+    if isinstance(fields.get("lora_targets"), str):
+        fields["lora_targets"] = tuple(t.strip() for t in fields["lora_targets"].split(",") if t.strip())
+    if fields.get("precision") is not None and fields["precision"] not in PRECISIONS:
+        raise ConfigError(
+            f"model.precision={fields['precision']!r}: unknown; choose one of {', '.join(PRECISIONS)}"
+        )
+    try:
+        return TransformerConfig(**{**fields, "vocab_size": vocab_size, **overrides})
+    except (TypeError, ValueError) as error:
+        raise ConfigError(_config_message(error)) from None
+
+
+def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerLM:
+    """The TransformerLM of a config's `model` section (see `transformer_config`)."""
+    return TransformerLM(transformer_config(model_config, vocab_size, **overrides))
+
+
+def check_sequence_length(model: TransformerLM, seq_len: int, source: str) -> None:
+    """ConfigError unless the training sequences (`seq_len`, from the config field `source`,
+    e.g. 'task.seq_len') fit the model's positions."""
+    if seq_len > model.config.max_len:
+        raise ConfigError(
+            f"model.max_len={model.config.max_len}: shorter than the training sequences ({source}={seq_len})"
+        )
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Cross-entropy in nats at each position `[..., T]`: logits `[..., T, V]`, targets `[..., T]`.
+
+    Written as logsumexp minus the target's logit picked by a one-hot product:
+    its gradient is softmax minus one-hot, where a gather of the target logit
+    (optax's form) has a scatter-add for a gradient, which XLA constant-folds
+    for seconds at large batches.
+    """
+    logits = logits.astype(jnp.float32)
+    target_logits = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - target_logits
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats: logits `[..., T, V]`, targets `[..., T]`."""
+    return token_cross_entropy(logits, targets).mean()
+
+
+def init_params(model: TransformerLM, seq_len: int, key: jax.Array) -> Any:
+    """Fresh parameters of `model` for sequences of `seq_len` tokens."""
+    return model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+
+
+def training_logits(model: TransformerLM, params: Any, tokens: jax.Array, rng: jax.Array) -> jax.Array:
+    """Logits `[B, T, V]` of `tokens` `[B, T]` in training mode (dropout drawn from `rng`)."""
+    logits = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": rng})
+    return jnp.asarray(logits)
+
+
+def causal_model(model: TransformerLM, **changes: Any) -> TransformerLM:
+    """`model` with the causal mask on (and `changes` to its config); the parameters fit both."""
+    return model.clone(config=dataclasses.replace(model.config, causal=True, **changes))
+
+
+def layer_attention(model: TransformerLM, params: Any, tokens: jax.Array) -> list[jax.Array]:
+    """[attention weights `[B, N, T, T]` of block 0, block 1, ...] of `model` with the causal
+    mask on `tokens` `[B, T]` (sown by the reference path)."""
+    probe = causal_model(model, sow_weights=True)
+    _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
+    weights = collect_attention_weights(state["intermediates"])
+    return [weights[f"block_{layer}/attention"] for layer in range(model.config.num_layers)]
