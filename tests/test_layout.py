@@ -1,0 +1,109 @@
+"""The package's shape: no import cycles (counting imports inside functions too), and each
+package imports only the ones below it.
+
+    core (attention, modules, lm, nnx, ...)  <  training  <  tasks  <  report  <  studies
+
+A deferred import (inside a function) is walked like any other, so one that only dodges a
+cycle fails here as the cycle itself would.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "qkv_jax"
+# Each package and the packages it may import (besides itself and the core library).
+LAYERS = {
+    "core": set(),
+    "interpretability": set(),
+    "training": set(),
+    "tasks": {"training"},
+    "report": {"training", "tasks"},
+    "studies": {"training", "tasks", "report"},
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The qkv_jax modules `path` imports, anywhere in the file (functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # `from qkv_jax.x import f`: the module is qkv_jax.x
+                name = name.rpartition(".")[0]
+            if name.startswith("qkv_jax"):
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1] in LAYERS else "core"
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges.get(node, ())):
+            if target == "qkv_jax" or target not in edges:
+                continue
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target) :] + [target] if target in path else [node, target])
+            elif state.get(target) is None:
+                visit(target, path + [target])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if state.get(node) is None:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_each_package_imports_only_the_ones_below_it(package):
+    wrong = []
+    for name, targets in graph().items():
+        if layer(name) != package:
+            continue
+        for target in targets:
+            if target != "qkv_jax" and layer(target) not in {package, "core"} | LAYERS[package]:
+                wrong.append(f"{name} imports {target}")
+    if package == "core":  # the library never reaches up into the trainer or the tools around it
+        wrong += [
+            f"{name} imports {target}"
+            for name, targets in graph().items()
+            if layer(name) == "core"
+            for target in targets
+            if layer(target) != "core"
+        ]
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_walk_sees_imports_inside_functions():
+    """report_run imports matplotlib's plots on use, inside the function: the graph has it."""
+    assert "qkv_jax.plots" in graph()["qkv_jax.report.run"]
