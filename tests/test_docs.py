@@ -1,11 +1,10 @@
-"""Every code block of README.md runs, so the README cannot drift from the code.
+"""Every code block of README.md and of the guides in docs/ runs, so they cannot drift from the code.
 
-python blocks are executed; bash blocks are run in order (with `runs/` moved to
-a temporary directory, and the port of the multi-process example replaced by
-a free one); a text block of `$ command` lines must print what it shows. The
-two set-up commands are the exception: their `pip install` part is what CI
-and tools/fresh-clone-check run, and the test command is this suite itself,
-so only the main job's training command is run from them.
+python blocks are executed; bash blocks are run in order, per file (with `runs/`
+moved to a temporary directory, and the port of the multi-process example
+replaced by a free one); a text block of `$ command` lines must print what it
+shows. The set-up commands are the exception: their `pip install` part is what
+CI and tools/fresh-clone-check run, and the test command is this suite itself.
 """
 
 import json
@@ -22,8 +21,40 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
-def blocks(language):
-    return [body for lang, body in BLOCK.findall((ROOT / "README.md").read_text()) if lang == language]
+# The files whose blocks are run: the README and the guides.
+DOCS = [
+    "README.md",
+    "docs/library.md",
+    "docs/training.md",
+    "docs/reading_a_run.md",
+    "docs/studies.md",
+    "docs/finetuning.md",
+    "docs/scaling.md",
+    "docs/adding_a_task.md",
+    "docs/interpretability.md",
+]
+
+
+def blocks(language, doc=None):
+    """The `language` blocks of one file (`doc`), or of every file in DOCS."""
+    found = []
+    for name in [doc] if doc else DOCS:
+        found += [body for lang, body in BLOCK.findall((ROOT / name).read_text()) if lang == language]
+    return found
+
+
+def file_names(body):
+    """`my_tasks/lookup.py` for a block that opens with `# my_tasks/lookup.py`, else None."""
+    first = body.splitlines()[0]
+    return first[2:] if first.startswith("# ") and first.endswith(".py") else None
+
+
+PYTHON_BLOCKS = [
+    pytest.param(doc, index, id=f"{doc}-{index}")
+    for doc in DOCS
+    for index, body in enumerate(blocks("python", doc))
+    if file_names(body) is None
+]
 
 
 def commands(body):
@@ -37,9 +68,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("index", range(len(blocks("python"))))
-def test_python_blocks(index):
-    code = blocks("python")[index]
+@pytest.mark.parametrize("doc,index", PYTHON_BLOCKS)
+def test_python_blocks(doc, index):
+    code = blocks("python", doc)[index]
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -47,11 +78,12 @@ def test_python_blocks(index):
 
 
 @pytest.mark.slow
-def test_bash_blocks_in_order(tmp_path):
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if blocks("bash", doc)])
+def test_bash_blocks_in_order(doc, tmp_path):
     env = launcher_env()
     port = str(free_port())
     ran = 0
-    for body in blocks("bash"):
+    for body in blocks("bash", doc):
         if "pytest" in body:  # the test command: this suite
             continue
         lines = commands(body)
@@ -72,7 +104,7 @@ def test_bash_blocks_in_order(tmp_path):
             )
             assert result.returncode == 0, (script, result.stderr[-3000:])
             ran += len(script)
-    assert ran >= 5
+    assert ran >= 1
 
 
 def test_text_blocks_show_what_commands_print(tmp_path):
@@ -97,21 +129,11 @@ def test_text_blocks_show_what_commands_print(tmp_path):
     assert checked >= 2
 
 
-def file_blocks():
-    """{file name: code} of the README's python blocks that open with `# <file>.py`."""
-    named = {}
-    for body in blocks("python"):
-        first = body.splitlines()[0]
-        if first.startswith("# ") and first.endswith(".py"):
-            named[first[2:]] = body
-    return named
-
-
 @pytest.mark.slow
-def test_own_task_from_the_readme_trains_from_outside_the_repository(tmp_path):
-    """The README's task module, in a package of its own on PYTHONPATH, and its config file
-    train through the launcher with nothing in qkv_jax edited."""
-    files = file_blocks()
+def test_own_task_from_the_guide_trains_from_outside_the_repository(tmp_path):
+    """docs/adding_a_task.md's task module, in a package of its own on PYTHONPATH, and its config
+    file train through the launcher with nothing in qkv_jax edited."""
+    files = {file_names(body): body for body in blocks("python", "docs/adding_a_task.md") if file_names(body)}
     assert set(files) == {"my_tasks/lookup.py", "my_lookup.py"}
     for name, code in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
