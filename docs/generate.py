@@ -1,6 +1,6 @@
 r"""Rebuilds the generated parts of the documentation from measured outputs.
 
-  python -m docs.generate readme       # the main job's and the static baseline's output, the explorer screenshot
+  python -m docs.generate readme       # the main job's output, the static baseline's, a screenshot
   python -m docs.generate experiments [--only STUDY ...]   # docs/experiments.md (docs/experiments_doc.py)
   python -m docs.generate reliability  # docs/reliability.md from the tests' reliability marks
 
