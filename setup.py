@@ -1,4 +1,4 @@
-"""Packaging for qkv_jax: `pip install -e .` (library), `.[test]` (tests), `.[parity]` (torch)."""
+"""Packaging for qkv_jax: `pip install -e .` (library), `.[test]` (tests), `.[parity]` (torch only)."""
 
 from setuptools import find_packages, setup
 
@@ -33,6 +33,9 @@ setup(
             "ruff>=0.6",
             "mypy>=1.10",
             "playwright>=1.40",
+            # The PyTorch parity tests and the TransformerLens parity of qkv_jax.interpretability.
+            "torch>=2.1",
+            "transformer-lens>=4.0,<5",
         ],
         "parity": ["torch>=2.1"],
     },
