@@ -7,7 +7,9 @@ is boolean with True = may attend.
 Pure functions:  dot_product_attention (select_implementation picks its path),
                  chunked_attention, causal_mask, padding_mask, combine_masks
 Flax modules:    StaticAttention, SelfAttentionV1, SelfAttention,
-                 LearnedQueryAttention, MultiHeadAttention, FlagReader
+                 LearnedQueryAttention, MultiHeadAttention (a drop-in for
+                 flax.linen.MultiHeadDotProductAttention, also under that name),
+                 FlagReader
 Language model:  TransformerConfig, TransformerBlock, TransformerLM, generate, init_cache
 Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
 Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
@@ -34,6 +36,7 @@ from qkv_jax.models import FlagReader
 from qkv_jax.modules import (
     LearnedQueryAttention,
     MultiHeadAttention,
+    MultiHeadDotProductAttention,
     SelfAttention,
     SelfAttentionV1,
     StaticAttention,
@@ -53,6 +56,7 @@ __all__ = [
     "SelfAttention",
     "LearnedQueryAttention",
     "MultiHeadAttention",
+    "MultiHeadDotProductAttention",
     "FlagReader",
     "TransformerConfig",
     "TransformerBlock",

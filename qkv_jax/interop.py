@@ -31,14 +31,17 @@ def from_torch_multihead_attention(module_or_state_dict: Any, num_heads: int) ->
 
     Args:
       module_or_state_dict: a `torch.nn.MultiheadAttention` or its `state_dict()`
-        (any mapping name -> array). Keys and values must share one input
-        (`kdim == vdim`); `add_bias_kv` is not supported.
+        (any mapping name -> array); `add_bias_kv` is not supported.
       num_heads: the torch module's `num_heads`.
 
     Returns:
       `{"params": {"query": ..., "key": ..., "value": ..., "out": ...}}`, to be
       used with `MultiHeadAttention(num_heads=num_heads,
-      use_bias=<torch module's bias>)` and `inputs_kv` = torch's key = value.
+      use_bias=<torch module's bias>)`, called as torch's module is:
+      `(query, key, value)` are `(inputs_q, inputs_k, inputs_v)` (their widths
+      `embed_dim`, `kdim`, `vdim`). flax.linen's `MultiHeadDotProductAttention`
+      takes the same variables, and `qkv_jax.nnx.linen_to_nnx` loads them
+      into the nnx module.
     """
     state = module_or_state_dict
     if hasattr(state, "state_dict"):
@@ -51,21 +54,13 @@ def from_torch_multihead_attention(module_or_state_dict: Any, num_heads: int) ->
         w_query, w_key, w_value = np.split(state["in_proj_weight"], 3, axis=0)  # 3 x (E, E)
     elif "q_proj_weight" in state:
         w_query, w_key, w_value = (state[f"{n}_proj_weight"] for n in "qkv")
-        if w_key.shape[1] != w_value.shape[1]:
-            raise ValueError(
-                "from_torch_multihead_attention: kdim and vdim differ "
-                f"({w_key.shape[1]} vs {w_value.shape[1]}); MultiHeadAttention reads keys and "
-                "values from one input"
-            )
     else:
         raise ValueError(
             f"from_torch_multihead_attention: no in_proj_weight or q_proj_weight in {sorted(state)}"
         )
     embed_dim = w_query.shape[0]
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(
-            f"from_torch_multihead_attention: num_heads must be a positive int, got {num_heads!r}"
-        )
+        raise ValueError(f"from_torch_multihead_attention: num_heads={num_heads!r} must be a positive int")
     if embed_dim % num_heads:
         raise ValueError(
             f"from_torch_multihead_attention: num_heads={num_heads} does not divide embed_dim={embed_dim}"

@@ -8,9 +8,11 @@
                     (`check_generate_args`: its host-side checks).
 
 Decoding follows flax's `decode=True` convention: the cache lives in the
-'cache' collection (each attention layer's K and V, sized by `num_kv_heads`,
-or its MLA latent; see `MultiHeadAttention`), created by `init_cache` with
-room for `max_len` positions.
+'cache' collection (each attention layer's `cached_key` and `cached_value`,
+sized by `num_kv_heads`, or its MLA `cached_latent`, and `cache_index`; see
+`MultiHeadAttention`), created by `init_cache` with room for `max_len`
+positions. `qkv_jax.nnx.TransformerLM` is the same model as a flax.nnx module
+(the same parameter and cache trees), with its own `generate`.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from qkv_jax.lora import LoRADenseGeneral
 from qkv_jax.modules import (
     ATTENTION_LORA_TARGETS,
     MultiHeadAttention,
+    _check_dropout,
+    _check_heads,
     _check_lora,
     _check_positive,
-    decode_positions,
+    advance_cache_index,
 )
 
 Array = jax.Array
@@ -42,6 +46,9 @@ Dtype = Any
 __all__ = [
     "LORA_TARGETS",
     "TransformerConfig",
+    "attention_options",
+    "check_tokens",
+    "add_positions",
     "TransformerBlock",
     "TransformerLM",
     "init_cache",
@@ -49,6 +56,8 @@ __all__ = [
     "sample_logits",
     "sample_tokens",
     "check_generate_args",
+    "decode_positions",
+    "sample_with_cache",
     "generate",
 ]
 
@@ -63,7 +72,7 @@ class TransformerConfig:
 
     A new attention option is a field here and one argument in
     `TransformerBlock`; the training tasks build this from a config's `model`
-    section by field name (`qkv_jax.training.transformer`).
+    section by field name (`qkv_jax.tasks.transformer`).
 
     Attributes:
       vocab_size, num_layers, d_model: sizes; num_heads must divide d_model.
@@ -114,11 +123,12 @@ class TransformerConfig:
     lora_targets: tuple[str, ...] = ("query", "value")
 
     def __post_init__(self):
-        _check_lora("TransformerConfig", self.lora_rank, self.lora_alpha, self.lora_targets, LORA_TARGETS)
-        if self.lora_rank and "kv_latent" in self.lora_targets and self.kv_latent_dim is None:
-            raise ValueError("TransformerConfig: lora_targets has 'kv_latent' but kv_latent_dim is None")
+        owner = "TransformerConfig"
+        _check_lora(
+            owner, self.lora_rank, self.lora_alpha, self.lora_targets, LORA_TARGETS, self.kv_latent_dim
+        )
         _check_positive(
-            "TransformerConfig",
+            owner,
             vocab_size=self.vocab_size,
             num_layers=self.num_layers,
             d_model=self.d_model,
@@ -129,20 +139,49 @@ class TransformerConfig:
             kv_latent_dim=self.kv_latent_dim,
         )
         if self.d_model % self.num_heads:
+            raise ValueError(f"{owner}: num_heads={self.num_heads} must divide d_model={self.d_model}")
+        _check_heads(owner, self.num_heads, self.num_kv_heads)
+        _check_dropout(owner, self.dropout_rate)
+        if not 0.0 <= self.attention_dropout_rate < 1.0:
             raise ValueError(
-                f"TransformerConfig: num_heads={self.num_heads} must divide d_model={self.d_model}"
+                f"{owner}: attention_dropout_rate={self.attention_dropout_rate!r} must be in [0, 1)"
             )
-        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"TransformerConfig: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
-            )
-        for name in ("dropout_rate", "attention_dropout_rate"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"TransformerConfig: {name} must be in [0, 1), got {getattr(self, name)!r}")
 
-    def replace(self, **changes: Any) -> TransformerConfig:
-        """A copy with `changes` (e.g. `causal=True`), checked again."""
-        return dataclasses.replace(self, **changes)
+
+def attention_options(config: TransformerConfig) -> dict[str, Any]:
+    """The attention's fields from `config`, shared by the linen and the nnx `TransformerBlock`."""
+    return dict(
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        kv_latent_dim=config.kv_latent_dim,
+        is_causal=config.causal,
+        dropout_rate=config.attention_dropout_rate,
+        sow_weights=config.sow_weights,
+        attention_implementation=config.attention_implementation,
+        precision=config.precision,
+        absorb_latent=config.absorb_latent,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_targets=tuple(t for t in config.lora_targets if t != "mlp"),
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+    )
+
+
+def check_tokens(tokens: Array, decode: bool, max_len: int) -> None:
+    """A TransformerLM's input checks: integer tokens `[batch..., T]`, T <= max_len outside decoding
+    (a decode call's length is checked against the cache)."""
+    if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim < 1:
+        raise ValueError(
+            f"TransformerLM: tokens must be integers [batch..., T], got {tokens.dtype}{list(tokens.shape)}"
+        )
+    if not decode and tokens.shape[-1] > max_len:
+        raise ValueError(f"TransformerLM: sequence length {tokens.shape[-1]} exceeds max_len={max_len}")
+
+
+def add_positions(embedded: Array, position_embedding: Array) -> Array:
+    """Token embeddings `[batch..., T, D]` plus position embeddings `[T, D]`, broadcast explicitly."""
+    return embedded + position_embedding.reshape((1,) * (embedded.ndim - 2) + position_embedding.shape)
 
 
 class TransformerBlock(nn.Module):
@@ -173,23 +212,9 @@ class TransformerBlock(nn.Module):
         width = x.shape[-1]
         norm = functools.partial(nn.LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
         h = norm(name="attention_norm")(x)
-        h = MultiHeadAttention(
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            kv_latent_dim=config.kv_latent_dim,
-            is_causal=config.causal,
-            dropout_rate=config.attention_dropout_rate,
-            sow_weights=config.sow_weights,
-            attention_implementation=config.attention_implementation,
-            precision=config.precision,
-            absorb_latent=config.absorb_latent,
-            lora_rank=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_targets=tuple(t for t in config.lora_targets if t != "mlp"),
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            name="attention",
-        )(h, deterministic=deterministic, decode=decode, head_mask=head_mask)  # (..., T, D)
+        h = MultiHeadAttention(**attention_options(config), name="attention")(
+            h, deterministic=deterministic, decode=decode, head_mask=head_mask
+        )  # (..., T, D)
         x = x + nn.Dropout(config.dropout_rate)(h, deterministic)
         h = norm(name="mlp_norm")(x)
         h = nn.gelu(self._mlp_dense(config.mlp_dim or 4 * width, "mlp_in")(h))  # (..., T, mlp_dim)
@@ -202,7 +227,8 @@ class TransformerLM(nn.Module):
 
     Token embedding plus a learned position embedding `[max_len, d_model]`,
     `num_layers` `TransformerBlock`s, a final LayerNorm and a bias-free head;
-    every option is a field of `config` (`TransformerConfig`).
+    every option is a field of `config` (`TransformerConfig`). Another config
+    for the same parameters: `model.clone(config=dataclasses.replace(model.config, ...))`.
 
     `__call__(tokens, deterministic=True, decode=False, head_mask=None)`; with
     `decode` the positions continue from the cache (`init_cache`, `generate`);
@@ -212,21 +238,11 @@ class TransformerLM(nn.Module):
 
     config: TransformerConfig
 
-    def replace(self, **changes: Any) -> TransformerLM:
-        """The same model with `changes` to its config (e.g. `causal=True`); the parameters fit both."""
-        return self.clone(config=self.config.replace(**changes))
-
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True, decode: bool = False, head_mask=None):
         config = self.config
-        if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim < 1:
-            raise ValueError(
-                f"TransformerLM: tokens must be integers [batch..., T], got "
-                f"{tokens.dtype}{list(tokens.shape)}"
-            )
+        check_tokens(tokens, decode, config.max_len)
         length = tokens.shape[-1]
-        if not decode and length > config.max_len:
-            raise ValueError(f"TransformerLM: sequence length {length} exceeds max_len={config.max_len}")
         token_embedding = nn.Embed(
             config.vocab_size,
             config.d_model,
@@ -239,11 +255,15 @@ class TransformerLM(nn.Module):
             "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
         )
         if decode:  # the positions continue from the cache
-            positions, _ = decode_positions(self, length, config.max_len)  # (T,)
+            initialized = self.has_variable("cache", "cache_index")
+            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+            positions = jnp.arange(length)  # (T,): the init call, which creates the cache
+            if initialized:
+                index.value, positions = decode_positions(index.value, length, config.max_len)
             position_embedding = jnp.take(position_table, positions, axis=0)  # (T, D)
         else:  # a static slice: its gradient is a pad, where a gather's is a scatter-add
             position_embedding = position_table[:length]  # (T, D)
-        x = token_embedding(tokens) + position_embedding  # (..., T, D)
+        x = add_positions(token_embedding(tokens), position_embedding)  # (..., T, D)
         x = nn.Dropout(config.dropout_rate)(x, deterministic)
         if head_mask is not None:
             chex.assert_shape(head_mask, (config.num_layers, config.num_heads))
@@ -264,6 +284,15 @@ class TransformerLM(nn.Module):
         return logits.astype(jnp.float32)
 
 
+def decode_positions(index: Array, length: int, max_len: int) -> tuple[Array, Array]:
+    """The next decode index and the positions `[length]` of the tokens appended at `index`.
+
+    Appending past `max_len` raises (`qkv_jax.modules.advance_cache_index`).
+    """
+    new_index, _ = advance_cache_index("TransformerLM", index, length, max_len)
+    return new_index, index + jnp.arange(length)  # (), (T,)
+
+
 def init_cache(model: TransformerLM, batch_size: int) -> dict:
     """The decode cache for `batch_size` sequences of up to `model.config.max_len` tokens, zeroed.
 
@@ -271,7 +300,8 @@ def init_cache(model: TransformerLM, batch_size: int) -> dict:
     computing anything: the same pytree as its "cache" collection, per layer
     the cached keys and values `[batch_size, max_len, K, H]` (with
     `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`) and
-    the int32 scalar `index` of positions filled.
+    the int32 scalar `cache_index` of positions filled (and the model's own
+    `cache_index`, where the position embeddings continue).
     """
     tokens = jnp.zeros((batch_size, model.config.max_len), jnp.int32)
     shapes = jax.eval_shape(functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens)[
@@ -304,6 +334,37 @@ def sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | No
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
+def sample_with_cache(
+    step: Any,
+    cache: Any,
+    prompt: Array,
+    rng: Array,
+    temperature: Array,
+    max_new_tokens: int,
+    top_k: int | None,
+) -> Array:
+    """Prefill `prompt` `[B, P]` through `step`, then sample one token per step inside `lax.scan`.
+
+    `step(cache, tokens [B, T]) -> (logits [B, T, V], cache)` is one cached
+    decode call (of a linen or an nnx model). Returns `[B, max_new_tokens]`
+    int32; the P prompt positions and all but the last sampled token go
+    through the cache (P + max_new_tokens - 1 positions).
+    """
+    chex.assert_rank(prompt, 2)
+    logits, cache = step(cache, prompt)  # (B, P, V)
+    keys = jax.random.split(rng, max_new_tokens)
+    first = sample_logits(logits[:, -1], keys[0], temperature, top_k)  # (B,)
+
+    def body(carry, key):
+        token, cache = carry
+        logits, cache = step(cache, token[:, None])  # (B, 1, V)
+        token = sample_logits(logits[:, -1], key, temperature, top_k)  # (B,)
+        return (token, cache), token
+
+    _, rest = lax.scan(body, (first, cache), keys[1:])  # rest: (max_new_tokens - 1, B)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
+
+
 def sample_tokens(
     model: TransformerLM,
     params: Any,
@@ -313,34 +374,26 @@ def sample_tokens(
     max_new_tokens: int,
     top_k: int | None,
 ) -> Array:
-    """The traceable body of `generate`: prefill `prompt` `[B, P]`, then one token per step.
+    """The traceable body of `generate`: `sample_with_cache` over `model.apply` with a fresh cache.
 
-    Returns `[B, max_new_tokens]` int32. The P prompt positions and all but the
-    last sampled token go through the cache (P + max_new_tokens - 1 positions).
+    Returns `[B, max_new_tokens]` int32 for a prompt `[B, P]`.
     """
-    chex.assert_rank(prompt, 2)
-    variables = {"params": params, "cache": init_cache(model, prompt.shape[0])}
-    logits, state = model.apply(variables, prompt, decode=True, mutable=["cache"])  # (B, P, V)
-    keys = jax.random.split(rng, max_new_tokens)
-    first = sample_logits(logits[:, -1], keys[0], temperature, top_k)  # (B,)
 
-    def step(carry, key):
-        token, cache = carry
+    def step(cache, tokens):
         logits, state = model.apply(
-            {"params": params, "cache": cache}, token[:, None], decode=True, mutable=["cache"]
-        )  # (B, 1, V)
-        token = sample_logits(logits[:, -1], key, temperature, top_k)  # (B,)
-        return (token, state["cache"]), token
+            {"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"]
+        )  # (B, T, V)
+        return logits, state["cache"]
 
-    _, rest = lax.scan(step, (first, state["cache"]), keys[1:])  # rest: (max_new_tokens - 1, B)
-    return jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
+    cache = init_cache(model, prompt.shape[0])
+    return sample_with_cache(step, cache, prompt, rng, temperature, max_new_tokens, top_k)
 
 
 _compiled_sample_tokens = jax.jit(sample_tokens, static_argnames=("model", "max_new_tokens", "top_k"))
 
 
 def check_generate_args(
-    model: TransformerLM,
+    model: Any,
     prompt_shape: tuple[int, ...],
     max_new_tokens: int,
     temperature: float,
@@ -348,13 +401,15 @@ def check_generate_args(
 ) -> None:
     """`generate`'s checks, host-side only: ValueError naming the bad value.
 
+    `model`: a `TransformerLM`, linen or `qkv_jax.nnx`'s (its `config` is read).
+
     The cache holds `model.config.max_len` positions and the loop feeds P +
     max_new_tokens - 1 of them (all but the last sampled token).
     """
     if len(prompt_shape) != 2 or prompt_shape[1] == 0:
         raise ValueError(f"generate: prompt must have shape [batch, length >= 1], got {list(prompt_shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
     needed = prompt_shape[1] + max_new_tokens - 1
     if needed > model.config.max_len:
         raise ValueError(
@@ -362,11 +417,14 @@ def check_generate_args(
             f"decode {needed} positions, past the model's max_len={model.config.max_len}"
         )
     if not model.config.causal:
-        raise ValueError("generate: the model has causal=False; decode with model.replace(causal=True)")
+        raise ValueError(
+            "generate: the model has causal=False, and decoding with a cache is causal; decode with "
+            "model.clone(config=dataclasses.replace(model.config, causal=True))"
+        )
     if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
-        raise ValueError(f"generate: top_k must be in [1, {model.config.vocab_size}] or None, got {top_k!r}")
+        raise ValueError(f"generate: top_k={top_k!r} must be in [1, {model.config.vocab_size}] or None")
     if not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"generate: temperature must be finite and >= 0, got {temperature!r}")
+        raise ValueError(f"generate: temperature={temperature!r} must be finite and >= 0")
 
 
 def generate(

@@ -5,6 +5,8 @@
                     `lora_a` A `[in..., r]` and `lora_b` B `[r, out...]`;
                     y = x W + b + (alpha / r) (x A) B. B starts at zero, so a fresh
                     adapter leaves the layer's outputs unchanged.
+  lora_update       (alpha / r) (x A) B, the update LoRADenseGeneral adds (and
+                    `qkv_jax.nnx.LoRALinearGeneral`, its flax.nnx form).
   effective_kernel  W + (alpha / r) A B of one projection's parameters (W alone when it
                     has no adapter): the kernel the adapted layer computes with.
   merge_lora        a parameter tree with every adapter folded into its kernel: plain
@@ -14,8 +16,8 @@
   count_params      (all parameters, the trainable ones) of a tree.
 
 `MultiHeadAttention` (`lora_rank`, `lora_alpha`, `lora_targets`) and the
-TransformerLM's MLP (`TransformerConfig`) build their projections from this
-class when asked to.
+TransformerLM's MLP (`TransformerConfig`) build their projections from these
+classes when asked to, linen and nnx alike.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ Initializer = Any
 __all__ = [
     "ADAPTER_NAMES",
     "LoRADenseGeneral",
+    "lora_update",
+    "default_lora_a_init",
+    "check_adapter",
     "effective_kernel",
     "merge_lora",
     "has_adapters",
@@ -48,6 +53,41 @@ ADAPTER_NAMES = ("lora_a", "lora_b")
 
 def _scale(alpha: float, rank: int) -> float:
     return alpha / rank
+
+
+def check_adapter(owner: str, rank: Any, alpha: Any) -> None:
+    """ValueError naming the value unless `rank` is a positive int and `alpha` > 0."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"{owner}: rank={rank!r} must be a positive int")
+    if not alpha > 0:
+        raise ValueError(f"{owner}: alpha={alpha!r} must be > 0")
+
+
+def default_lora_a_init(num_in_axes: int) -> Initializer:
+    """Normal with variance 1/fan_in over A's `num_in_axes` input axes."""
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "normal", in_axis=tuple(range(num_in_axes)), out_axis=-1
+    )
+
+
+def lora_update(
+    inputs: Array,
+    lora_a: Array,
+    lora_b: Array,
+    axis: tuple[int, ...],
+    alpha: float,
+    dtype: Any,
+    precision: Any,
+) -> Array:
+    """(alpha / r) (x A) B for inputs `[batch..., in...]` (contracted over `axis`, sorted,
+    non-negative), A `[in..., r]`, B `[r, out...]`: `[batch..., out...]`, in `dtype`'s
+    promotion of the three."""
+    x, lora_a, lora_b = nn.dtypes.promote_dtype(inputs, lora_a, lora_b, dtype=dtype)
+    down = lax.dot_general(
+        x, lora_a, ((axis, tuple(range(len(axis)))), ((), ())), precision=precision
+    )  # (..., r)
+    up = lax.dot_general(down, lora_b, (((down.ndim - 1,), (0,)), ((), ())), precision=precision)
+    return _scale(alpha, lora_a.shape[-1]) * up  # (..., out...)
 
 
 class LoRADenseGeneral(nn.DenseGeneral):
@@ -70,10 +110,7 @@ class LoRADenseGeneral(nn.DenseGeneral):
     lora_a_init: Initializer | None = None
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
-            raise ValueError(f"LoRADenseGeneral: rank must be a positive int, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRADenseGeneral: alpha must be > 0, got {self.alpha!r}")
+        check_adapter("LoRADenseGeneral", self.rank, self.alpha)
         if self.batch_dims:
             raise ValueError(f"LoRADenseGeneral: batch_dims={self.batch_dims!r} is not supported")
         super().__post_init__()
@@ -84,19 +121,13 @@ class LoRADenseGeneral(nn.DenseGeneral):
         axis = tuple(sorted(a % inputs.ndim for a in np.atleast_1d(self.axis)))
         features = tuple(np.atleast_1d(self.features).tolist())
         in_shape = tuple(inputs.shape[a] for a in axis)
-        init = self.lora_a_init or nn.initializers.variance_scaling(
-            1.0, "fan_in", "normal", in_axis=tuple(range(len(axis))), out_axis=-1
-        )
+        init = self.lora_a_init or default_lora_a_init(len(axis))
         lora_a = self.param("lora_a", init, (*in_shape, self.rank), self.param_dtype)  # (in..., r)
         lora_b = self.param(
             "lora_b", nn.initializers.zeros_init(), (self.rank, *features), self.param_dtype
         )  # (r, out...)
-        x, lora_a, lora_b = nn.dtypes.promote_dtype(inputs, lora_a, lora_b, dtype=self.dtype)
-        down = lax.dot_general(
-            x, lora_a, ((axis, tuple(range(len(axis)))), ((), ())), precision=self.precision
-        )  # (..., r)
-        up = lax.dot_general(down, lora_b, (((down.ndim - 1,), (0,)), ((), ())), precision=self.precision)
-        return output + _scale(self.alpha, self.rank) * up.astype(output.dtype)  # (..., out...)
+        update = lora_update(inputs, lora_a, lora_b, axis, self.alpha, self.dtype, self.precision)
+        return output + update.astype(output.dtype)  # (..., out...)
 
 
 def effective_kernel(params: Mapping[str, Any], alpha: float) -> Array:
@@ -114,7 +145,7 @@ def effective_kernel(params: Mapping[str, Any], alpha: float) -> Array:
 def merge_lora(params: Any, alpha: float) -> Any:
     """`params` with every adapter folded into its kernel (`effective_kernel`) and
     `lora_a`/`lora_b` removed: the parameters of the same model without adapters
-    (e.g. `TransformerLM(config.replace(lora_rank=0))`), whose outputs equal the
+    (e.g. `TransformerLM(dataclasses.replace(config, lora_rank=0))`), whose outputs equal the
     adapted model's up to float rounding. `alpha`: the adapters' `lora_alpha`."""
     if not isinstance(params, Mapping):
         return params

@@ -14,14 +14,14 @@ FLAG_READER_KINDS = ("learned_query", "static", "multihead")
 
 
 class FlagReader(nn.Module):
-    """One attention layer that reads flagged tokens out of a sequence (seed 000).
+    """One attention layer that reads flagged tokens out of a sequence.
 
     Input `[batch..., S, D]`, where the last `num_flags` channels are flags
     and the rest content; output `[batch..., out_features]`. The attention
     weights are sown into `intermediates` as `[batch..., N, 1, S]`.
 
     kind:
-      learned_query: seed 000's model: a learned query vector through W_q, keys
+      learned_query: a learned query vector through W_q, keys
         and values through W_k, W_v (`LearnedQueryAttention`, one head).
       static: nothing trainable. The query is the mean token, keys and values
         are the raw tokens (every W is the identity); the prediction is the
@@ -72,7 +72,7 @@ class FlagReader(nn.Module):
                 num_heads=self.num_heads,
                 head_dim=self.d_k // self.num_heads,
                 v_head_dim=d_v // self.num_heads,
-                use_bias=False,  # W_Q, W_K, W_V, W_O as in the seeds (a key bias gets no gradient)
+                use_bias=False,  # bare W_Q, W_K, W_V, W_O (a key bias would get no gradient)
                 out_features=self.out_features,
                 scale=scale,
                 sow_weights=True,

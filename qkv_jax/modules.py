@@ -1,4 +1,5 @@
-"""Flax linen attention modules, from parameter-free to multi-head.
+"""Flax linen attention modules, from parameter-free to multi-head, and the pure functions
+that multi-head attention is made of (shared with the flax.nnx modules in `qkv_jax.nnx`).
 
 Every module works on an unbatched `[S, D]` input and on any leading batch
 dims `[batch..., S, D]`; `jax.vmap` of `apply` over a batch equals the batched
@@ -6,10 +7,23 @@ dims `[batch..., S, D]`; `jax.vmap` of `apply` over a batch equals the batched
 
   StaticAttention        Q = K = V = X, nothing to learn (identity W).
   SelfAttentionV1        raw `W_query`, `W_key`, `W_value` matrices [d_in, d_out].
-  SelfAttention          the same through `nn.Dense` layers (seed 002's v2).
-  LearnedQueryAttention  one learned query vector reads a sequence (seed 000).
-  MultiHeadAttention     N heads, grouped K/V heads, output projection W_O,
-                         optional latent K/V (MLA) and a KV cache for decoding.
+  SelfAttention          the same through `nn.Dense` layers.
+  LearnedQueryAttention  one learned query vector reads a sequence.
+  MultiHeadAttention     a drop-in for `flax.linen.MultiHeadDotProductAttention`
+                         (same call, fields, parameter and cache layout) with
+                         grouped K/V heads, latent K/V (MLA), LoRA adapters and
+                         multi-token decoding on top.
+  MultiHeadDotProductAttention  the same class under flax's other name, so that
+                         unnamed instances get flax's default names (and so
+                         flax's parameter paths and random streams).
+
+The multi-head pipeline, as pure functions both the linen and the nnx module call:
+  project_inputs        inputs -> query `[..., T, N, H]` and what a cache holds
+                        (K and V, or MLA's latent)
+  append_to_cache       writes T positions into a cache at its index
+  attend_entries        K/V (or absorbed latents) -> attention -> head mask -> W_O
+  flax_dot_product_attention  the default `attention_fn`: flax's signature,
+                        `qkv_jax.dot_product_attention` underneath, flax's dropout
 
 Each takes `precision` (flax's spelling: None for JAX's default, 'highest',
 a `jax.lax.Precision`, a pair, ...), passed to every projection and to every
@@ -18,7 +32,12 @@ dot of the attention itself, forward and backward.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax
@@ -26,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import checkify
 
-from qkv_jax.attention import PrecisionLike, combine_masks, dot_product_attention
+from qkv_jax.attention import PrecisionLike, dot_product_attention
 from qkv_jax.lora import LoRADenseGeneral, effective_kernel
 
 Array = jax.Array
@@ -39,16 +58,25 @@ __all__ = [
     "SelfAttention",
     "LearnedQueryAttention",
     "MultiHeadAttention",
+    "MultiHeadDotProductAttention",
     "ATTENTION_LORA_TARGETS",
-    "decode_positions",
+    "AttentionLayers",
+    "flax_dot_product_attention",
+    "project_inputs",
+    "append_to_cache",
+    "advance_cache_index",
+    "attend_entries",
+    "check_attention_settings",
+    "resolve_inputs",
+    "resolve_head_dim",
     "torch_linear_init",
 ]
 
 # MultiHeadAttention's projections a LoRA adapter can sit beside (kv_latent: MLA's down-projection).
 ATTENTION_LORA_TARGETS = ("query", "key", "value", "out", "kv_latent")
 
-# torch.nn.Linear's default: uniform in +-1/sqrt(fan_in). The seeds' modules are
-# written in PyTorch, so their learned projections start from this.
+# torch.nn.Linear's default: uniform in +-1/sqrt(fan_in), the start of learned
+# projections written in PyTorch.
 torch_linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 torch_linear_init.__doc__ = """Flax initializer `(key, shape, dtype) -> array`: uniform in +-1/sqrt(fan_in).
 
@@ -62,21 +90,30 @@ def _check_positive(owner: str, **sizes: Any) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+            raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
 
 
 def _check_dropout(owner: str, rate: float) -> None:
     if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{owner}: dropout_rate must be in [0, 1), got {rate!r}")
+        raise ValueError(f"{owner}: dropout_rate={rate!r} must be in [0, 1)")
 
 
-def _check_lora(owner: str, rank: Any, alpha: Any, targets: Any, allowed: tuple[str, ...]) -> None:
+def _check_heads(owner: str, num_heads: int, num_kv_heads: int | None) -> None:
+    if num_kv_heads is not None and num_heads % num_kv_heads:
+        raise ValueError(f"{owner}: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+
+
+def _check_lora(
+    owner: str, rank: Any, alpha: Any, targets: Any, allowed: tuple[str, ...], kv_latent_dim: int | None
+) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"{owner}: lora_rank must be an int >= 0, got {rank!r}")
+        raise ValueError(f"{owner}: lora_rank={rank!r} must be an int >= 0")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"{owner}: lora_alpha must be a number > 0, got {alpha!r}")
+        raise ValueError(f"{owner}: lora_alpha={alpha!r} must be a number > 0")
     if isinstance(targets, str) or any(t not in allowed for t in targets):
-        raise ValueError(f"{owner}: lora_targets must be a tuple of {allowed}, got {targets!r}")
+        raise ValueError(f"{owner}: lora_targets={targets!r} must be a tuple of {allowed}")
+    if rank and "kv_latent" in targets and kv_latent_dim is None:
+        raise ValueError(f"{owner}: lora_targets={targets!r} has 'kv_latent' but kv_latent_dim=None")
 
 
 def _check_inputs(owner: str, name: str, x: Array, min_rank: int = 2) -> None:
@@ -157,7 +194,7 @@ class StaticAttention(nn.Module):
 
 
 class SelfAttentionV1(nn.Module):
-    """Self-attention with raw learned matrices (seed 002's `SelfAttention_v1`).
+    """Self-attention with raw learned matrices, the first form of learned attention.
 
     Parameters `W_query`, `W_key`, `W_value` of shape `[d_in, d_out]`, drawn
     uniform in [0, 1) as `torch.rand` does. `__call__(inputs, mask=None,
@@ -199,7 +236,7 @@ class SelfAttentionV1(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Self-attention through `nn.Dense` projections (seed 002's `SelfAttention_v2`).
+    """Self-attention through `nn.Dense` projections.
 
     Sub-modules `W_query`, `W_key`, `W_value` are `nn.Dense(d_out)` (kernel
     `[d_in, d_out]`, the transpose of `torch.nn.Linear.weight`), initialised
@@ -245,14 +282,14 @@ class SelfAttention(nn.Module):
 
 
 class LearnedQueryAttention(nn.Module):
-    """One learned query vector attends over a sequence (seed 000, section 4.1).
+    """One learned query vector attends over a sequence.
 
-    Parameters: `query` `[D]` (standard normal, the seed's `query_vec`) and
-    bias-free `nn.Dense` layers `W_query` (D -> d_k), `W_key` (D -> d_k) and
-    `W_value` (D -> d_v). `__call__(inputs, mask=None, deterministic=True)`
-    maps `[batch..., S, D]` to `(output [batch..., d_v], weights [batch..., S])`;
-    `mask` is a key mask broadcastable to `[batch..., S]`. `precision`: of the
-    projections and the attention's dots.
+    Parameters: `query` `[D]` (standard normal) and bias-free `nn.Dense`
+    layers `W_query` (D -> d_k), `W_key` (D -> d_k) and `W_value` (D -> d_v).
+    `__call__(inputs, mask=None, deterministic=True)` maps `[batch..., S, D]`
+    to `(output [batch..., d_v], weights [batch..., S])`; `mask` is a key mask
+    broadcastable to `[batch..., S]`. `precision`: of the projections and the
+    attention's dots.
     """
 
     d_k: int
@@ -300,327 +337,799 @@ class LearnedQueryAttention(nn.Module):
         return output[..., 0, :], weights[..., 0, :]  # (..., d_v), (..., S)
 
 
-def decode_positions(module: nn.Module, length: int, capacity: int) -> tuple[Array, Array | None]:
-    """Positions `[length]` of the next tokens in a decode cache, and whether they fit.
+# ------------------------------------------------------------------ masks shared by the pieces below
 
-    Reads and advances the int32 scalar `index` in `module`'s 'cache'
-    collection (positions already filled). The first call (inside `init`)
-    creates the index at 0 and returns `arange(length)` and None. Appending
-    past `capacity` is an error: a ValueError when the index is concrete (an
-    eager `apply`); under `jit` the index is traced, so the returned flag is
-    False (the caller then keeps its cache and returns NaN) and
+
+def _as_bool_mask(mask: Any) -> Array | None:
+    """A mask as booleans: flax's helpers (`make_causal_mask`, ...) give float 0/1 masks."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def _and_masks(*masks: Array | None) -> Array | None:
+    """Logical AND of boolean masks of any ranks, aligned at their trailing axes explicitly."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    rank = max(m.ndim for m in present)
+    combined = present[0].reshape((1,) * (rank - present[0].ndim) + present[0].shape)
+    for m in present[1:]:
+        combined = jnp.logical_and(combined, m.reshape((1,) * (rank - m.ndim) + m.shape))
+    return combined
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether `shape` broadcasts to `target` (trailing axes aligned, each 1 or equal)."""
+    if len(shape) > len(target):
+        return False
+    return all(a in (1, b) for a, b in zip(shape[::-1], target[::-1], strict=False))
+
+
+def _causal_keys(T: int, S: int, query_offset: Any) -> Array:
+    """`[T, S]` boolean: key s is visible to query t when s <= t + query_offset.
+
+    `query_offset` (an int, or a traced int scalar such as a cache index) is the
+    key position of query 0: 0 aligns the triangle top-left, S - T bottom-right.
+    """
+    return jnp.arange(S)[None, :] <= (jnp.arange(T) + query_offset)[:, None]  # (T, S)
+
+
+# ----------------------------------------------------------------- the default attention_fn
+
+
+def flax_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Dtype | None = None,
+    precision: PrecisionLike = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = False,
+    is_causal: bool = False,
+    *,
+    scale: float | Array | None = None,
+    query_offset: Any = None,
+    implementation: str | None = None,
+) -> Array:
+    """flax's `attention_fn` signature over `qkv_jax.dot_product_attention`.
+
+    The default `attention_fn` of `MultiHeadAttention` (linen) and of
+    `qkv_jax.nnx.MultiHeadAttention`, with the arguments in flax's order
+    (`flax.linen.dot_product_attention`'s, plus flax.nnx's `is_causal`):
+
+    Args:
+      query: `[batch..., T, N, H]`.
+      key: `[batch..., S, K, H]`, K dividing N (grouped K/V heads, as flax.nnx).
+      value: `[batch..., S, K, Hv]`.
+      bias: additive logits bias broadcastable to `[batch..., N, T, S]`.
+      mask: broadcastable to `[batch..., N, T, S]`; True or non-zero = may attend.
+      broadcast_dropout: one dropout mask `[T, S]` shared by the batch and the
+        heads (flax's default), else one per batch element and head.
+      dropout_rng, dropout_rate, deterministic: dropout on the attention weights
+        after the softmax, when not deterministic and the rate is positive: the
+        same Bernoulli draw as flax's (`jax.random.bernoulli(dropout_rng,
+        1 - rate, shape)`), so the same key drops the same weights.
+      dtype: the computation dtype (query, key and value are promoted to it).
+      precision: of every dot.
+      module: a linen or nnx module to sow the weights `[batch..., N, T, S]`
+        into, as `attention_weights` in 'intermediates' (linen) or
+        `nnx.Intermediate` (nnx); taken after the softmax, before dropout.
+      force_fp32_for_softmax: the logits and softmax are always computed in at
+        least float32 here; with this the sown weights are float32 as well.
+      is_causal: key s visible to query t when s <= t + query_offset.
+      scale: of the logits (default 1/sqrt(H)).
+      query_offset: key position of query 0 for `is_causal`; None or 0 is
+        top-left (flax.nnx's and jax.nn's alignment).
+      implementation: `qkv_jax.dot_product_attention`'s. Sowing weights or
+        dropout takes "reference", the path that returns weights.
+
+    Returns:
+      `[batch..., T, N, Hv]`.
+    """
+    query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
+    mask = _as_bool_mask(mask)
+    if is_causal:
+        # The triangle as an explicit mask, aligned by query_offset: key s is visible
+        # to query t when s <= t + query_offset (a traced cache index works too).
+        *batch, T, N, _ = query.shape
+        target = (*batch, N, T, key.shape[-3])
+        if mask is not None and not _broadcasts(mask.shape, target):
+            raise ValueError(f"attention: mask of shape {mask.shape} does not broadcast to {target}")
+        offset = 0 if query_offset is None else query_offset
+        mask = _and_masks(mask, _causal_keys(T, key.shape[-3], offset))
+    dropping = not deterministic and dropout_rate > 0.0
+    weighted = module is not None or dropping
+    attended = dot_product_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        return_weights=weighted,
+        implementation="reference" if weighted else implementation,
+        precision=precision,
+    )
+    if not weighted:
+        return attended  # (..., T, N, Hv)
+    output, weights = attended  # (..., T, N, Hv), (..., N, T, S)
+    if module is not None:
+        sown = weights.astype(jnp.float32) if force_fp32_for_softmax else weights
+        nnx = sys.modules.get("flax.nnx")  # imported by whoever built an nnx module (it pulls in optax)
+        if nnx is not None and isinstance(module, nnx.Module):
+            module.sow(nnx.Intermediate, "attention_weights", sown)
+        else:
+            module.sow("intermediates", "attention_weights", sown)
+    if not dropping:
+        return output
+    if dropout_rng is None:
+        raise ValueError(f"attention: dropout_rate={dropout_rate} and deterministic=False need a dropout_rng")
+    keep_prob = 1.0 - dropout_rate
+    # flax's shapes: (1, ..., 1, T, S) broadcast over batch and heads, else the weights' own.
+    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    dropped = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))  # (..., N, T, S)
+    *batch, T, N, _ = query.shape
+    K, S = key.shape[-2], key.shape[-3]
+    grouped = dropped.reshape(*batch, K, N // K, T, S)  # (..., K, G, T, S)
+    output = jnp.einsum("...kgts,...skv->...tkgv", grouped, value, precision=precision)  # (..., T, K, G, Hv)
+    return output.reshape(*batch, T, N, value.shape[-1])  # (..., T, N, Hv)
+
+
+# ------------------------------------------------------------- multi-head attention, step by step
+
+
+class AttentionSettings(Protocol):
+    """What the pure functions read from a module (linen `MultiHeadAttention` or its nnx twin)."""
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def scale(self) -> float | None: ...
+
+    @property
+    def dropout_rate(self) -> float: ...
+
+    @property
+    def broadcast_dropout(self) -> bool: ...
+
+    @property
+    def dtype(self) -> Dtype | None: ...
+
+    @property
+    def precision(self) -> PrecisionLike: ...
+
+    @property
+    def force_fp32_for_softmax(self) -> bool: ...
+
+    @property
+    def attention_fn(self) -> Callable[..., Array]: ...
+
+    @property
+    def attention_implementation(self) -> str | None: ...
+
+    @property
+    def absorb_latent(self) -> bool: ...
+
+    @property
+    def lora_alpha(self) -> float: ...
+
+    @property
+    def qk_attn_weights_einsum_cls(self) -> Any: ...
+
+    @property
+    def attn_weights_value_einsum_cls(self) -> Any: ...
+
+
+class AttentionLayers(NamedTuple):
+    """The learned pieces of one attention layer: linen sub-modules or nnx modules, as callables.
+
+    query `[..., T, D] -> [..., T, N, H]`; key and value `[..., S, D_kv] ->
+    [..., S, K, H]` / `[..., S, K, Hv]` (with MLA they read the latent `[..., S,
+    C]`); out `[..., T, N, Hv] -> [..., T, D_out]`; kv_latent (MLA only) `[...,
+    S, D_kv] -> [..., S, C]`; query_ln and key_ln (normalize_qk) over H.
+    `params(name)` is the parameter mapping of projection `name` (`kernel`,
+    `bias`, `lora_a`, `lora_b`), read by MLA's weight absorption.
+    """
+
+    query: Callable[[Array], Array]
+    key: Callable[[Array], Array]
+    value: Callable[[Array], Array]
+    out: Callable[[Array], Array]
+    kv_latent: Callable[[Array], Array] | None
+    query_ln: Callable[[Array], Array] | None
+    key_ln: Callable[[Array], Array] | None
+    params: Callable[[str], Mapping[str, Array]]
+
+
+def check_attention_settings(owner: str, settings: Any) -> None:
+    """Every check of a multi-head attention's settings, run where the module is built.
+
+    `settings` has the fields of `MultiHeadAttention` (linen or nnx).
+    ValueError naming the field and its value.
+    """
+    _check_lora(
+        owner,
+        settings.lora_rank,
+        settings.lora_alpha,
+        settings.lora_targets,
+        ATTENTION_LORA_TARGETS,
+        settings.kv_latent_dim,
+    )
+    _check_positive(
+        owner,
+        num_heads=settings.num_heads,
+        qkv_features=settings.qkv_features,
+        head_dim=settings.head_dim,
+        num_kv_heads=settings.num_kv_heads,
+        v_head_dim=settings.v_head_dim,
+        out_features=settings.out_features,
+        kv_latent_dim=settings.kv_latent_dim,
+    )
+    _check_heads(owner, settings.num_heads, settings.num_kv_heads)
+    _check_dropout(owner, settings.dropout_rate)
+    if settings.qkv_features is not None:
+        resolve_head_dim(owner, settings.num_heads, settings.head_dim, settings.qkv_features, None)
+    latent = settings.kv_latent_dim is not None
+    if settings.normalize_qk and latent and settings.absorb_latent:
+        raise ValueError(
+            f"{owner}: normalize_qk=True with kv_latent_dim={settings.kv_latent_dim} needs "
+            "absorb_latent=False (a LayerNorm of the keys does not fold into the query)"
+        )
+    accepted = inspect.signature(settings.attention_fn).parameters
+    needs = {
+        "scale": settings.scale is not None or (latent and settings.absorb_latent),
+        "implementation": settings.attention_implementation is not None,
+        "qk_attn_weights_einsum": settings.qk_attn_weights_einsum_cls is not None,
+        "attn_weights_value_einsum": settings.attn_weights_value_einsum_cls is not None,
+    }
+    for argument, needed in needs.items():
+        if needed and argument not in accepted:
+            name = getattr(settings.attention_fn, "__name__", repr(settings.attention_fn))
+            raise ValueError(
+                f"{owner}: attention_fn={name} takes no `{argument}` argument, which "
+                f"{'absorbed MLA decoding (kv_latent_dim, absorb_latent=True) or ' * (argument == 'scale')}"
+                f"the module's settings need; leave attention_fn at its default "
+                "(qkv_jax.modules.flax_dot_product_attention)"
+            )
+
+
+def resolve_inputs(
+    owner: str, inputs_q: Array, inputs_k: Any, inputs_v: Any, inputs_kv: Any
+) -> tuple[Array, Array]:
+    """flax's rules for `inputs_k`, `inputs_v` and the older `inputs_kv`: (keys' input, values' input).
+
+    Both default to `inputs_q`, `inputs_v` to `inputs_k`. A boolean array as
+    the third positional argument (`mha(x, x, mask)`, the older qkv_jax call)
+    is a TypeError: that argument is `inputs_v`, as in flax.
+    """
+    if inputs_kv is not None:
+        if inputs_k is not None or inputs_v is not None:
+            raise ValueError(
+                f"{owner}: If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None "
+                "(inputs_kv is the older spelling of inputs_k = inputs_v)"
+            )
+        warnings.warn(
+            f"{owner}: The inputs_kv arg will be deprecated soon, as in flax; pass inputs_k "
+            "(inputs_v defaults to it)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return inputs_kv, inputs_kv
+    if inputs_k is None:
+        if inputs_v is not None:
+            raise ValueError(
+                f"{owner}: `inputs_k` cannot be None if `inputs_v` is not None. Pass the one input "
+                "of keys and values as inputs_k"
+            )
+        inputs_k = inputs_q
+    if inputs_v is None:
+        return inputs_k, inputs_k
+    if jnp.asarray(inputs_v).dtype == jnp.bool_:
+        raise TypeError(
+            f"{owner}: the third positional argument is inputs_v, as in flax, and got a boolean array "
+            f"of shape {jnp.shape(inputs_v)}; pass mask=..."
+        )
+    if inputs_v.shape[-1] == inputs_v.shape[-2]:
+        warnings.warn(
+            f"{owner}: inputs_v has shape {inputs_v.shape}, square in its last two axes; if it is a mask, "
+            "pass mask=... (the function signature of MultiHeadDotProductAttention's `__call__` method "
+            "has changed in flax 0.7.4 to take inputs_k and inputs_v positionally, and qkv_jax's follows it)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return inputs_k, inputs_v
+
+
+def resolve_head_dim(
+    owner: str, num_heads: int, head_dim: int | None, qkv_features: int | None, features: int | None
+) -> int:
+    """Head depth H: `head_dim`, else `qkv_features // num_heads`, else the input width `// num_heads`."""
+    if head_dim is not None:
+        if qkv_features is not None and qkv_features != num_heads * head_dim:
+            raise ValueError(
+                f"{owner}: qkv_features={qkv_features} != num_heads={num_heads} * head_dim={head_dim}; "
+                "set one of them"
+            )
+        return head_dim
+    width, what = (qkv_features, f"qkv_features={qkv_features}")
+    if qkv_features is None:
+        width, what = (features, f"the input width {features}")
+    assert width is not None
+    if width % num_heads:
+        raise ValueError(
+            f"{owner}: num_heads={num_heads} does not divide {what}; set head_dim or qkv_features"
+        )
+    return width // num_heads
+
+
+def project_inputs(
+    layers: AttentionLayers, inputs_q: Array, inputs_k: Array, inputs_v: Array
+) -> tuple[Array, dict[str, Array]]:
+    """Query `[..., T, N, H]` and the per-position entries a decode cache keeps.
+
+    Entries: `key` `[..., S, K, H]` and `value` `[..., S, K, Hv]` (after
+    `key_ln`), or with MLA (`layers.kv_latent`) the `latent` `[..., S, C]`
+    that both are rebuilt from, which needs one input for keys and values.
+    """
+    query = layers.query(inputs_q)  # (..., T, N, H)
+    if layers.query_ln is not None:
+        query = layers.query_ln(query)
+    if layers.kv_latent is not None:
+        if inputs_v is not inputs_k:
+            raise ValueError(
+                "MultiHeadAttention: with kv_latent_dim, keys and values are rebuilt from one latent; "
+                "pass one input (inputs_k) for both"
+            )
+        return query, {"latent": layers.kv_latent(inputs_k)}  # (..., S, C)
+    key = layers.key(inputs_k)  # (..., S, K, H)
+    if layers.key_ln is not None:
+        key = layers.key_ln(key)
+    return query, {"key": key, "value": layers.value(inputs_v)}  # (..., S, K, Hv)
+
+
+def advance_cache_index(owner: str, index: Array, length: int, capacity: int) -> tuple[Array, Array]:
+    """The index after appending `length` positions to a cache of `capacity`, and whether they fit.
+
+    Appending past `capacity` is an error: a ValueError when `index` is
+    concrete (an eager `apply`); under `jit` it is traced, so the returned flag
+    is False (callers then keep their cache and return NaN) and
     `checkify.checkify` raises.
     """
-    initialized = module.has_variable("cache", "index")
-    index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-    if not initialized:
-        return jnp.arange(length), None
-    start = index.value
-    fits = start + length <= capacity
+    fits = index + length <= capacity
     message = (
-        f"{type(module).__name__}: decoding {length} position(s) from position {{start}} "
+        f"{owner}: decoding {length} position(s) from position {{start}} "
         f"overflows the cache of max length {capacity}"
     )
-    if isinstance(start, jax.core.Tracer):
-        checkify.debug_check(fits, message, start=start)
+    if isinstance(index, jax.core.Tracer):
+        checkify.debug_check(fits, message, start=index)
     elif not fits:
-        raise ValueError(message.format(start=int(start)))
-    index.value = start + length
-    return start + jnp.arange(length), fits  # (T,), ()
+        raise ValueError(message.format(start=int(index)))
+    return index + length, fits
+
+
+def append_to_cache(
+    owner: str, cached: Mapping[str, Array], index: Array, entries: Mapping[str, Array], axis: int
+) -> tuple[dict[str, Array], Array, Array]:
+    """Writes `entries` (T positions along `axis`) into `cached` (L positions) from `index`.
+
+    Returns the new cache arrays, the new index and whether the T positions
+    fit (see `advance_cache_index`; on overflow nothing is written).
+    """
+    for name, x in entries.items():
+        full = cached[name].shape
+        if x.shape[:axis] + x.shape[axis + 1 :] != full[:axis] + full[axis + 1 :]:
+            raise ValueError(
+                f"{owner}: decode input gives {name} of shape {x.shape}, which does not fit the "
+                f"cache of shape {full} (batch dims and widths must match)"
+            )
+    length = next(iter(entries.values())).shape[axis]
+    capacity = next(iter(cached.values())).shape[axis]
+    new_index, fits = advance_cache_index(owner, index, length, capacity)
+    written = {}
+    for name, x in entries.items():
+        old = lax.dynamic_slice_in_dim(cached[name], index, length, axis)
+        x = jnp.where(fits, x.astype(cached[name].dtype), old)  # an overflow leaves the cache as it was
+        written[name] = lax.dynamic_update_slice_in_dim(cached[name], x, index, axis)
+    return written, new_index, fits
+
+
+def _call_attention_fn(
+    settings: AttentionSettings,
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Array | None,
+    is_causal: bool,
+    query_offset: Any,
+    scale: Any,
+    deterministic: bool,
+    dropout_rng: Array | None,
+    sow_module: Any,
+) -> Array:
+    """`settings.attention_fn` called as flax calls it, with qkv_jax's extras it accepts.
+
+    Keyword arguments it does not take are left out (flax's rule). Causal
+    masking (`is_causal`, or a decode cache's `query_offset`) becomes an
+    explicit mask for a function without `is_causal`/`query_offset`.
+    """
+    accepted = inspect.signature(settings.attention_fn).parameters
+    is_causal = is_causal or query_offset is not None  # a cache is causal in its positions
+    takes_offset = "query_offset" in accepted or query_offset is None
+    if is_causal and not ("is_causal" in accepted and takes_offset):
+        offset = 0 if query_offset is None else query_offset
+        mask = _and_masks(mask, _causal_keys(query.shape[-3], key.shape[-3], offset))
+        is_causal, query_offset = False, None
+    arguments = dict(
+        mask=mask,
+        dropout_rng=dropout_rng,
+        dropout_rate=settings.dropout_rate,
+        broadcast_dropout=settings.broadcast_dropout,
+        deterministic=deterministic,
+        dtype=settings.dtype,
+        precision=settings.precision,
+        force_fp32_for_softmax=settings.force_fp32_for_softmax,
+        is_causal=is_causal,
+        query_offset=query_offset,
+        scale=scale,
+        implementation=settings.attention_implementation,
+        module=sow_module,
+    )
+    if settings.qk_attn_weights_einsum_cls is not None:
+        arguments["qk_attn_weights_einsum"] = settings.qk_attn_weights_einsum_cls()
+        arguments["attn_weights_value_einsum"] = settings.attn_weights_value_einsum_cls()
+    arguments = {name: value for name, value in arguments.items() if name in accepted}
+    return settings.attention_fn(query, key, value, **arguments)
+
+
+def _absorbed(
+    settings: AttentionSettings,
+    layers: AttentionLayers,
+    query: Array,
+    latent: Array,
+    mask: Array | None,
+    query_offset: Any,
+    attend: Callable[..., Array],
+) -> Array:
+    """MLA attention straight from the cached latents C `[..., L, C]`, K and V never built.
+
+    With key = C W_K + b_K and value = C W_V + b_V (kernels `[C, K, H]`,
+    `[C, K, Hv]`), head n (kv head k = n // (N/K)) has logits q_n (C W_K[k])^T
+    = (q_n W_K[k]^T) C^T, plus q_n b_K[k], the same for every key, which the
+    softmax cancels: the query is projected into the latent space and
+    attends over the latents (one shared kv head of depth C). Its output
+    sum_s w_s (c_s W_V[k] + b_V[k]) is the blend of the latents times W_V[k],
+    plus b_V[k] where the row attends to anything (its weights sum to 1):
+    the value up-projection moves past the attention, to each query's blend
+    instead of every cached position, where it meets W_O.
+    Both projections are applied per query token, which costs fewer
+    operations than folding them into W_Q and W_O ahead of time when C is
+    larger than the head depth. With LoRA adapters on them, W_K and W_V are
+    the effective kernels (kernel + (alpha / r) A B). Returns the heads'
+    outputs `[..., T, N, Hv]`, before W_O.
+    """
+    key_params, value_params = layers.params("key"), layers.params("value")
+    W_key, W_value = nn.dtypes.promote_dtype(
+        effective_kernel(key_params, settings.lora_alpha),
+        effective_kernel(value_params, settings.lora_alpha),
+        dtype=settings.dtype,
+    )
+    num_kv_heads, group = W_key.shape[1], settings.num_heads // W_key.shape[1]  # (C, K, H), (C, K, Hv)
+    *batch, T, N, H = query.shape
+    grouped = query.reshape(*batch, T, num_kv_heads, group, H)  # (..., T, K, G, H)
+    query_latent = jnp.einsum("...kgh,ckh->...kgc", grouped, W_key, precision=settings.precision)
+    query_latent = query_latent.reshape(*batch, T, N, -1)  # (..., T, N, C)
+    latents = latent[..., None, :].astype(query_latent.dtype)  # (..., L, 1, C): key and value
+    scale = settings.scale if settings.scale is not None else H**-0.5
+    blended = attend(query_latent, latents, latents, scale=scale)  # (..., T, N, C)
+    blended = blended.reshape(*batch, T, num_kv_heads, group, -1)  # (..., T, K, G, C)
+    output = jnp.einsum(
+        "...kgc,ckv->...kgv", blended, W_value, precision=settings.precision
+    )  # (..., T, K, G, Hv)
+    output = output.reshape(*batch, T, N, -1)  # (..., T, N, Hv)
+    if "bias" in value_params:  # b_V[k] for every row that attends to a key
+        value_bias = jnp.repeat(value_params["bias"], group, axis=0).astype(output.dtype)  # (N, Hv)
+        value_bias = value_bias.reshape((1,) * (output.ndim - 2) + value_bias.shape)  # (1.., 1, N, Hv)
+        if mask is not None:  # broadcastable to (..., N, T, L); the cache shows keys s <= t + offset
+            causal = _causal_keys(T, latent.shape[-2], query_offset)[None]  # (1, T, L)
+            visible = _and_masks(mask, causal)  # (..., N|1, T, L)
+            assert visible is not None
+            has_key = jnp.swapaxes(jnp.any(visible, axis=-1), -1, -2)[..., None]  # (..., T, N|1, 1)
+            has_key = has_key.reshape((1,) * (output.ndim - has_key.ndim) + has_key.shape)
+            value_bias = jnp.where(has_key, value_bias, 0)  # (..., T, N, Hv)
+        output = output + value_bias
+    return output  # (..., T, N, Hv)
+
+
+def attend_entries(
+    settings: AttentionSettings,
+    layers: AttentionLayers,
+    query: Array,
+    entries: Mapping[str, Array],
+    *,
+    mask: Any,
+    head_mask: Any,
+    is_causal: bool,
+    query_offset: Any,
+    fits: Array | None,
+    deterministic: bool,
+    dropout_rng: Array | None,
+    sow_module: Any,
+) -> Array:
+    """Attention of `query` `[..., T, N, H]` over `entries` (`project_inputs`'), then W_O.
+
+    `is_causal`: key s visible to query t when s <= t (top-left). `query_offset`:
+    None, or a decode cache's index (the key position of query 0; each query
+    sees the cached positions up to its own). MLA entries hold the
+    latent: K and V are rebuilt from it, or when decoding with
+    `settings.absorb_latent` the attention runs over the latents themselves
+    (`_absorbed`). `head_mask` `[batch..., N]` multiplies each head's output
+    before W_O. `fits` False (a cache overflow under jit) gives NaN.
+    Returns `[..., T, D_out]`.
+    """
+    mask = _as_bool_mask(mask)
+    attend = functools.partial(
+        _call_attention_fn,
+        settings,
+        mask=mask,
+        is_causal=is_causal,
+        query_offset=query_offset,
+        deterministic=deterministic,
+        dropout_rng=dropout_rng,
+        sow_module=sow_module,
+    )
+    if "latent" not in entries:
+        output = attend(query, entries["key"], entries["value"], scale=settings.scale)  # (..., T, N, Hv)
+    elif query_offset is not None and settings.absorb_latent:
+        output = _absorbed(settings, layers, query, entries["latent"], mask, query_offset, attend)
+    else:
+        key = layers.key(entries["latent"])  # (..., S, K, H)
+        if layers.key_ln is not None:
+            key = layers.key_ln(key)
+        value = layers.value(entries["latent"])  # (..., S, K, Hv)
+        output = attend(query, key, value, scale=settings.scale)  # (..., T, N, Hv)
+    if head_mask is not None:  # (batch..., N): one factor per head
+        factors = jnp.asarray(head_mask, output.dtype)[..., None, :, None]  # (batch..., 1, N, 1)
+        output = output * factors.reshape((1,) * (output.ndim - factors.ndim) + factors.shape)
+    output = layers.out(output)  # (..., T, D_out)
+    return output if fits is None else jnp.where(fits, output, jnp.nan)
+
+
+# ------------------------------------------------------------------------- the linen module
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention with learned W_Q, W_K, W_V per head and W_O.
+    """Multi-head attention; a drop-in for `flax.linen.MultiHeadDotProductAttention`.
 
-    Parameter layout is `flax.linen.MultiHeadDotProductAttention`'s:
-      query kernel `[D, N, H]`, key and value kernels `[D, K, H]` / `[D, K, Hv]`,
-      out kernel `[N, Hv, D_out]` (biases `[N, H]`, `[K, H]`, `[K, Hv]`, `[D_out]`).
-    With `kv_latent_dim` = C (multi-head latent attention, MLA) a 'kv_latent'
-    kernel `[D, C]` maps each position to a latent, and K and V are
-    reconstructed from it: key and value kernels `[C, K, H]` / `[C, K, Hv]`.
+    flax's fields, call and layouts, with the same meaning and defaults:
+      parameters `query` `[D, N, H]`, `key`/`value` `[D_kv, K, H]` / `[D_kv, K,
+      Hv]`, `out` `[N, Hv, D_out]` (each with `kernel` and, with `use_bias`,
+      `bias`), and with `normalize_qk` `query_ln`/`key_ln` (`scale` `[H]`, no
+      bias: a LayerNorm of the query and key of each head). Built from the same
+      `nn.DenseGeneral`/`nn.LayerNorm` with the same names, the same rng gives
+      the same parameters as flax.
+      `__call__(inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
+      mask=None, deterministic=None, dropout_rng=None, sow_weights=False)`:
+      inputs `[batch..., T, D]` and `[batch..., S, D_kv]` (keys default to the
+      queries' input, values to the keys'), mask broadcastable to `[batch...,
+      N, T, S]` (boolean, or flax's float 0/1 masks: non-zero may attend);
+      returns `[batch..., T, D_out]`.
 
-    Attributes:
-      num_heads: N, query heads.
-      head_dim: H; defaults to `D // num_heads` (D must then divide evenly).
+    Fields as flax's (see `flax.linen.MultiHeadDotProductAttention`):
+      num_heads (N), dtype, param_dtype, qkv_features (N * H; default D),
+      out_features (D_out; default D), broadcast_dropout, dropout_rate,
+      deterministic (merged with the call's: flax's `merge_param`, needed only
+      with dropout), precision, kernel_init, out_kernel_init, bias_init,
+      out_bias_init, use_bias, attention_fn (default
+      `flax_dot_product_attention`; any function with flax's attention_fn
+      signature), decode, normalize_qk, force_fp32_for_softmax,
+      qkv_dot_general(_cls), out_dot_general(_cls) (passed to the
+      projections), qk_attn_weights_einsum_cls / attn_weights_value_einsum_cls
+      (passed to an attention_fn that takes them).
+
+    qkv_jax's own fields:
       num_kv_heads: K key/value heads, dividing N (default N; 1 = multi-query).
-      v_head_dim: Hv; defaults to `head_dim`.
-      out_features: D_out; defaults to D.
-      kv_latent_dim: C, the per-position latent of MLA; None = plain K/V projections.
-      use_bias: biases on all projections.
-      is_causal: apply a causal mask (queries are the last T of S positions).
-      dropout_rate: dropout on the attention weights when not deterministic
-        (uses the 'dropout' rng stream).
-      scale: logits scale, default `1/sqrt(head_dim)`.
-      sow_weights: sow attention weights `[batch..., N, T, S]` into
-        `intermediates/attention_weights`.
-      attention_implementation: `dot_product_attention`'s `implementation`
-        (None: its dispatch rule picks the fastest eligible path). Calls that
-        sow weights or apply attention dropout always take "reference", the
-        only path that does either.
-      precision: of every projection and every attention dot, forward and
-        backward (`dot_product_attention`'s `precision`); None: JAX's default.
-      absorb_latent: MLA decoding from the cache attends over the cached
-        latents with the key up-projection folded into the query and the value
-        up-projection into W_O ("weight absorption"), never building K and V;
-        False rebuilds K and V from the latents at every step (the same outputs).
-      lora_rank: r > 0 puts a LoRA adapter (`qkv_jax.lora.LoRADenseGeneral`:
-        parameters `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside the
-        kernel, which keeps its place) on each projection named in
-        `lora_targets` (of `ATTENTION_LORA_TARGETS`); 0 = none.
-      lora_alpha: the adapters' update is scaled by lora_alpha / lora_rank.
+      head_dim: H (instead of qkv_features); v_head_dim: Hv (default H).
+      kv_latent_dim: C, multi-head latent attention (MLA): a 'kv_latent' kernel
+        `[D_kv, C]` maps each position to a latent, key and value kernels are
+        `[C, K, H]` / `[C, K, Hv]` and rebuild K and V from it; a decode cache
+        holds only the latent.
+      absorb_latent: MLA decoding attends over the cached latents with the key
+        up-projection folded into the query and the value up-projection into
+        W_O ("weight absorption"), never building K and V; False rebuilds K
+        and V from the latents at every step (the same outputs).
+      is_causal: key s is visible to query t when s <= t (top-left, as jax.nn
+        and flax.nnx; self-attention is the usual causal mask).
+      scale: of the logits, default 1/sqrt(H).
+      sow_weights: sow the weights on every call (as the call's `sow_weights`).
+      attention_implementation: `qkv_jax.dot_product_attention`'s
+        `implementation` (None: its dispatch rule). Sowing weights or dropout
+        take "reference", the only path that does either.
+      lora_rank, lora_alpha, lora_targets: LoRA adapters (`LoRADenseGeneral`:
+        `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside each kernel, which
+        keeps its place) on the projections named in lora_targets (of
+        `ATTENTION_LORA_TARGETS`), scaled by lora_alpha / lora_rank; 0 = none.
 
-    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False,
-    head_mask=None)`: `inputs_q` `[batch..., T, D]`, `inputs_kv` `[batch..., S, D]`
-    (defaults to `inputs_q`), `mask` boolean broadcastable to `[batch..., N, T, S]`;
-    returns `[batch..., T, D_out]`. `head_mask` `[batch..., N]` multiplies each
-    head's attention output before W_O (0 ablates a head; the parameters are
-    the same with or without it).
+    qkv_jax's call keywords: `decode` (None: the field), `head_mask`
+    `[batch..., N]`, a factor per head on its attention output before W_O (0
+    ablates a head).
 
-    Decoding (`decode=True`: causal self-attention) keeps a KV cache in the
-    'cache' collection: `cached_key` `[batch..., L, K, H]` and `cached_value`
-    `[batch..., L, K, Hv]` (sized by the K kv heads), or for MLA only
-    `cached_latent` `[batch..., L, C]`, and `index`, the positions filled.
-    `init(..., decode=True)` on an input of length L creates the cache (and
-    returns the full causal pass); each `apply(..., decode=True,
-    mutable=['cache'])` then appends its T positions (a prompt, then one token
-    at a time) and attends to all cached ones; `mask` then broadcasts to
-    `[batch..., N, T, L]`. Appending past L raises (see `decode_positions`).
+    Decoding (`decode=True`, flax's cache): 'cache' holds `cached_key` `[batch...,
+    L, K, H]`, `cached_value` `[batch..., L, K, Hv]` (or with MLA only
+    `cached_latent` `[batch..., L, C]`) and `cache_index`, the int32 count of
+    positions filled. `init` with decode on an input of length L creates it
+    (and returns the ordinary pass over that input); each `apply(...,
+    mutable=['cache'])` then appends its T >= 1 positions (a prompt, then a
+    token at a time) and each query attends to the cached positions up to its
+    own; `mask` then broadcasts to `[batch..., N, T, L]`. Appending past L
+    raises (see `advance_cache_index`).
     """
 
     num_heads: int
-    head_dim: int | None = None
-    num_kv_heads: int | None = None
-    v_head_dim: int | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    qkv_features: int | None = None
     out_features: int | None = None
-    kv_latent_dim: int | None = None
-    use_bias: bool = True
-    is_causal: bool = False
+    broadcast_dropout: bool = True
     dropout_rate: float = 0.0
+    deterministic: bool | None = None
+    precision: PrecisionLike = None
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    out_kernel_init: Initializer | None = None
+    bias_init: Initializer = nn.initializers.zeros_init()
+    out_bias_init: Initializer | None = None
+    use_bias: bool = True
+    attention_fn: Callable[..., Array] = flax_dot_product_attention
+    decode: bool = False
+    normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Any = None
+    out_dot_general: Any = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Any = None
+    attn_weights_value_einsum_cls: Any = None
+    # qkv_jax's
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    kv_latent_dim: int | None = None
+    absorb_latent: bool = True
+    is_causal: bool = False
     scale: float | None = None
     sow_weights: bool = False
     attention_implementation: str | None = None
-    precision: PrecisionLike = None
-    absorb_latent: bool = True
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("query", "value")
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    bias_init: Initializer = nn.initializers.zeros_init()
 
     def __post_init__(self):
-        _check_lora(
-            "MultiHeadAttention", self.lora_rank, self.lora_alpha, self.lora_targets, ATTENTION_LORA_TARGETS
-        )
-        if self.lora_rank and "kv_latent" in self.lora_targets and self.kv_latent_dim is None:
-            raise ValueError("MultiHeadAttention: lora_targets has 'kv_latent' but kv_latent_dim is None")
-        _check_positive(
-            "MultiHeadAttention",
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            num_kv_heads=self.num_kv_heads,
-            v_head_dim=self.v_head_dim,
-            out_features=self.out_features,
-            kv_latent_dim=self.kv_latent_dim,
-        )
-        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"MultiHeadAttention: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
-            )
-        _check_dropout("MultiHeadAttention", self.dropout_rate)
+        check_attention_settings(type(self).__name__, self)
         super().__post_init__()
-
-    def resolved_head_dim(self, features: int) -> int:
-        """Head depth H for input width `features`."""
-        if self.head_dim is not None:
-            return self.head_dim
-        if features % self.num_heads:
-            raise ValueError(
-                f"MultiHeadAttention: num_heads={self.num_heads} does not divide the input "
-                f"width {features}; set head_dim explicitly"
-            )
-        return features // self.num_heads
 
     def _projection(self, features: Any, name: str, axis: Any = -1) -> nn.DenseGeneral:
         """The DenseGeneral projection `name`, with a LoRA adapter when `name` is a target."""
+        is_out = name == "out"
         options = dict(
             axis=axis,
             use_bias=self.use_bias,
-            kernel_init=self.kernel_init,
-            bias_init=self.bias_init,
+            kernel_init=(self.out_kernel_init or self.kernel_init) if is_out else self.kernel_init,
+            bias_init=(self.out_bias_init or self.bias_init) if is_out else self.bias_init,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             precision=self.precision,
+            dot_general=self.out_dot_general if is_out else self.qkv_dot_general,
+            dot_general_cls=self.out_dot_general_cls if is_out else self.qkv_dot_general_cls,
             name=name,
         )
         if self.lora_rank and name in self.lora_targets:
             return LoRADenseGeneral(features, rank=self.lora_rank, alpha=self.lora_alpha, **options)
         return nn.DenseGeneral(features, **options)
 
-    def _check_decode(self, inputs_kv: Array | None) -> None:
-        if inputs_kv is not None:
-            raise ValueError("MultiHeadAttention: decode=True is self-attention; pass no inputs_kv")
-        if not self.is_causal:
-            raise ValueError(
-                "MultiHeadAttention: decode=True needs is_causal=True (a cache holds only the past)"
-            )
-
-    def _cache(self, entries: dict[str, Array], mask: Array | None, axis: int):
-        """Appends per-position `entries` (position axis `axis`, length T) to the decode cache.
-
-        Returns the entries of all L cached positions, the mask `[T, L]` (a
-        query sees the filled positions up to its own, combined with `mask`),
-        and whether the T positions fit. On the `init` call, which creates the
-        cache with L = T, returns `entries`, `mask` and None.
-        """
-        cached = {
-            name: self.variable("cache", f"cached_{name}", jnp.zeros, x.shape, x.dtype)
-            for name, x in entries.items()
-        }
-        length = next(iter(entries.values())).shape[axis]
-        capacity = next(iter(cached.values())).value.shape[axis]
-        positions, fits = decode_positions(self, length, capacity)  # (T,), ()
-        if fits is None:  # the init call, which created the cache
-            return entries, mask, None
-        for name, x in entries.items():
-            full = cached[name].value.shape
-            if x.shape[:axis] + x.shape[axis + 1 :] != full[:axis] + full[axis + 1 :]:
-                raise ValueError(
-                    f"MultiHeadAttention: decode input gives {name} of shape {x.shape}, which does "
-                    f"not fit the cache of shape {full} (batch dims and widths must match)"
-                )
-        for name, x in entries.items():
-            old = lax.dynamic_slice_in_dim(cached[name].value, positions[0], length, axis)
-            written = jnp.where(fits, x, old)  # an overflow leaves the cache as it was
-            cached[name].value = lax.dynamic_update_slice_in_dim(
-                cached[name].value, written, positions[0], axis
-            )
-        visible = jnp.arange(capacity)[None, :] <= positions[:, None]  # (T, L)
-        return {name: c.value for name, c in cached.items()}, combine_masks(mask, visible), fits
-
-    def _keys_and_values(self, inputs_kv: Array, mask: Array | None, decode: bool, projections: dict):
-        """K `[batch..., S, K, H]` and V `[batch..., S, K, Hv]` (or, for MLA decoding from a
-        filled cache with `absorb_latent`, None and the cached latents `[batch..., L, C]`),
-        the mask, and the cache's fit flag (None when not decoding from a cache)."""
-        axis = inputs_kv.ndim - 2  # the position axis of everything cached
-        fits = None
-        if self.kv_latent_dim is None:
-            entries = {
-                "key": projections["key"](inputs_kv),  # (..., S, K, H)
-                "value": projections["value"](inputs_kv),  # (..., S, K, Hv)
-            }
-            if decode:
-                entries, mask, fits = self._cache(entries, mask, axis)
-            return entries["key"], entries["value"], mask, fits
-        latent = self._projection(self.kv_latent_dim, "kv_latent")(inputs_kv)  # (..., S, C)
-        if decode:
-            entries, mask, fits = self._cache({"latent": latent}, mask, axis)
-            latent = entries["latent"]  # (..., L, C)
-            if fits is not None and self.absorb_latent:
-                return None, latent, mask, fits
-        return projections["key"](latent), projections["value"](latent), mask, fits
-
-    def _attend(self, query, key, value, mask, fits, deterministic: bool, scale: float | None) -> Array:
-        """`dot_product_attention` with this module's options; sows the weights if asked."""
-        dropout = _dropout(self, self.dropout_rate, deterministic)
-        needs_reference = self.sow_weights or dropout["dropout_rate"] > 0
-        attended = dot_product_attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            is_causal=self.is_causal and fits is None,  # a cache's mask is already causal
-            scale=scale,
-            **dropout,
-            return_weights=self.sow_weights,
-            implementation="reference" if needs_reference else self.attention_implementation,
-            precision=self.precision,
+    def _layers(self, features: int) -> AttentionLayers:
+        head_dim = resolve_head_dim(
+            type(self).__name__, self.num_heads, self.head_dim, self.qkv_features, features
         )
-        if not self.sow_weights:
-            return attended  # (..., T, N, Hv)
-        output, weights = attended  # (..., T, N, Hv), (..., N, T, S)
-        self.sow("intermediates", "attention_weights", weights)
-        return output
-
-    def _absorbed(self, query, latent, mask, fits, deterministic: bool, projections: dict) -> Array:
-        """MLA attention straight from the cached latents C `[..., L, C]`, K and V never built.
-
-        With key = C W_K + b_K and value = C W_V + b_V (kernels `[C, K, H]`,
-        `[C, K, Hv]`), head n (kv head k = n // (N/K)) has logits q_n (C W_K[k])^T
-        = (q_n W_K[k]^T) C^T, plus q_n b_K[k], the same for every key, which the
-        softmax cancels: the query is projected into the latent space and
-        attends over the latents (one shared kv head of depth C). Its output
-        sum_s w_s (c_s W_V[k] + b_V[k]) is the blend of the latents times W_V[k],
-        plus b_V[k] where the row attends to anything (its weights sum to 1):
-        the value up-projection moves past the attention, to each query's blend
-        instead of every cached position, where it meets W_O.
-        Both projections are applied per query token, which costs fewer
-        operations than folding them into W_Q and W_O ahead of time when C is
-        larger than the head depth. With LoRA adapters on them, W_K and W_V are
-        the effective kernels (kernel + (alpha / r) A B). Returns the heads'
-        outputs `[..., T, N, Hv]`, before W_O.
-        """
-        key_params, value_params = (
-            projections["key"].variables["params"],
-            projections["value"].variables["params"],
-        )
-        W_key, W_value = nn.dtypes.promote_dtype(
-            effective_kernel(key_params, self.lora_alpha),
-            effective_kernel(value_params, self.lora_alpha),
-            dtype=self.dtype,
-        )
-        num_kv_heads, group = W_key.shape[1], self.num_heads // W_key.shape[1]  # (C, K, H), (C, K, Hv)
-        grouped = query.reshape(*query.shape[:-2], num_kv_heads, group, query.shape[-1])  # (..., T, K, G, H)
-        query_latent = jnp.einsum("...kgh,ckh->...kgc", grouped, W_key, precision=self.precision)
-        query_latent = query_latent.reshape(*query.shape[:-1], -1)  # (..., T, N, C)
-        latents = latent[..., None, :].astype(query_latent.dtype)  # (..., L, 1, C): key and value
-        scale = self.scale if self.scale is not None else query.shape[-1] ** -0.5
-        blended = self._attend(
-            query_latent, latents, latents, mask, fits, deterministic, scale
-        )  # (..., T, N, C)
-        blended = blended.reshape(*blended.shape[:-2], num_kv_heads, group, -1)  # (..., T, K, G, C)
-        output = jnp.einsum(
-            "...kgc,ckv->...kgv", blended, W_value, precision=self.precision
-        )  # (..., T, K, G, Hv)
-        output = output.reshape(*query.shape[:-1], -1)  # (..., T, N, Hv)
-        if "bias" in value_params:  # b_V[k] for every row that attends to a key
-            value_bias = jnp.repeat(value_params["bias"], group, axis=0).astype(output.dtype)  # (N, Hv)
-            if mask is not None:  # broadcastable to (..., N, T, L)
-                has_key = jnp.any(mask.reshape((1,) * (3 - mask.ndim) + mask.shape), axis=-1)  # (..., N|1, T)
-                value_bias = jnp.where(
-                    jnp.swapaxes(has_key, -1, -2)[..., None], value_bias, 0
-                )  # (..., T, N, Hv)
-            output = output + value_bias
-        return output  # (..., T, N, Hv)
-
-    @nn.compact
-    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, decode=False, head_mask=None):
-        if decode:
-            self._check_decode(inputs_kv)
-        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
-        _check_inputs("MultiHeadAttention", "inputs_q", inputs_q)
-        _check_inputs("MultiHeadAttention", "inputs_kv", inputs_kv)
-        if inputs_q.shape[:-2] != inputs_kv.shape[:-2]:
-            raise ValueError(
-                f"MultiHeadAttention: batch dims of inputs_q {inputs_q.shape} and inputs_kv "
-                f"{inputs_kv.shape} differ"
-            )
-        features = inputs_q.shape[-1]
-        head_dim = self.resolved_head_dim(features)
         num_kv_heads = self.num_kv_heads or self.num_heads
         projections = {
+            "query": self._projection((self.num_heads, head_dim), "query"),
             "key": self._projection((num_kv_heads, head_dim), "key"),
             "value": self._projection((num_kv_heads, self.v_head_dim or head_dim), "value"),
             "out": self._projection(self.out_features or features, "out", axis=(-2, -1)),
         }
-        query = self._projection((self.num_heads, head_dim), "query")(inputs_q)  # (..., T, N, H)
-        key, value, mask, fits = self._keys_and_values(inputs_kv, mask, decode, projections)
-        if key is None:  # MLA decoding: attend over the cached latents directly
-            output = self._absorbed(query, value, mask, fits, deterministic, projections)  # (..., T, N, Hv)
+        norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+        latent = self.kv_latent_dim is not None
+        return AttentionLayers(
+            **projections,
+            kv_latent=self._projection(self.kv_latent_dim, "kv_latent") if latent else None,
+            query_ln=norm(name="query_ln") if self.normalize_qk else None,
+            key_ln=norm(name="key_ln") if self.normalize_qk else None,
+            params=lambda name: projections[name].variables["params"],
+        )
+
+    def _cached(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Array], Array | None, Any]:
+        """The decode cache with `entries` appended: (all L cached entries, whether they fit, the
+        index of the first new position). The first call (inside `init`) creates the cache and
+        returns `entries`, None, None."""
+        initialized = self.has_variable("cache", "cache_index")
+        cached = {
+            name: self.variable("cache", f"cached_{name}", jnp.zeros, x.shape, x.dtype)
+            for name, x in entries.items()
+        }
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not initialized:
+            return entries, None, None
+        start = index.value
+        written, index.value, fits = append_to_cache(
+            type(self).__name__, {name: c.value for name, c in cached.items()}, start, entries, axis
+        )
+        for name, variable in cached.items():
+            variable.value = written[name]
+        return written, fits, start
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        inputs_kv: Array | None = None,
+        mask: Array | None = None,
+        deterministic: bool | None = None,
+        dropout_rng: Array | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
+        head_mask: Array | None = None,
+    ) -> Array:
+        owner = type(self).__name__
+        inputs_k, inputs_v = resolve_inputs(owner, inputs_q, inputs_k, inputs_v, inputs_kv)
+        _check_inputs(owner, "inputs_q", inputs_q)
+        _check_inputs(owner, "inputs_k", inputs_k)
+        layers = self._layers(inputs_q.shape[-1])
+        query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
+        fits = start = None
+        decode = self.decode if decode is None else decode
+        if decode:
+            entries, fits, start = self._cached(entries, axis=inputs_k.ndim - 2)
+        if self.dropout_rate > 0.0:  # flax's rule: `deterministic` is needed only with dropout
+            deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+            if not deterministic and dropout_rng is None:
+                dropout_rng = self.make_rng("dropout")
         else:
-            output = self._attend(query, key, value, mask, fits, deterministic, self.scale)  # (..., T, N, Hv)
-        if head_mask is not None:  # (batch..., N): one factor per head
-            output = output * jnp.asarray(head_mask, output.dtype)[..., None, :, None]  # (..., T, N, Hv)
-        output = projections["out"](output)  # (..., T, D_out)
-        return output if fits is None else jnp.where(fits, output, jnp.nan)
+            deterministic = True
+        return attend_entries(
+            self,
+            layers,
+            query,
+            entries,
+            mask=mask,
+            head_mask=head_mask,
+            is_causal=self.is_causal,
+            query_offset=start,
+            fits=fits,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            sow_module=self if sow_weights or self.sow_weights else None,
+        )
+
+
+class MultiHeadDotProductAttention(MultiHeadAttention):
+    """`MultiHeadAttention` under flax's other name.
+
+    flax.linen has both names (`MultiHeadAttention` subclasses
+    `MultiHeadDotProductAttention`); an unnamed instance is named after its
+    class (`MultiHeadDotProductAttention_0`), which sets its parameter path and
+    its random streams. Replacing `flax.linen.MultiHeadDotProductAttention`
+    by this class keeps both.
+    """

@@ -58,17 +58,17 @@ def test_cached_decoding_equals_the_full_causal_pass(decoder, lengths):
     _, _, _, cache, full, step = decoder
     decoded, cache = decode_in_segments(step, cache, X, lengths)
     np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=1e-5)
-    assert int(cache["index"]) == L
+    assert int(cache["cache_index"]) == L
 
 
 def test_cache_is_sized_by_kv_heads_or_holds_the_latent(decoder):
     name, module, _, cache, _, _ = decoder
     if name == "mla":
-        assert set(cache) == {"cached_latent", "index"}  # no K, no V
+        assert set(cache) == {"cached_latent", "cache_index"}  # no K, no V
         chex.assert_shape(cache["cached_latent"], (B, L, 3))
     else:
         num_kv_heads = module.num_kv_heads or N
-        assert set(cache) == {"cached_key", "cached_value", "index"}
+        assert set(cache) == {"cached_key", "cached_value", "cache_index"}
         chex.assert_shape([cache["cached_key"], cache["cached_value"]], (B, L, num_kv_heads, HEAD))
 
 
@@ -130,9 +130,9 @@ def test_decoding_past_the_cache_under_jit_is_nan_and_checkify_raises(decoder):
     _, full_cache = step(cache, X)
     output, after = step(full_cache, X[:, :1])
     assert np.isnan(np.asarray(output)).all()
-    assert int(after["index"]) == L + 1  # the overflow is recorded ...
+    assert int(after["cache_index"]) == L + 1  # the overflow is recorded ...
     for name in full_cache:  # ... and nothing cached is overwritten
-        if name != "index":
+        if name != "cache_index":
             np.testing.assert_array_equal(after[name], full_cache[name])
     error, _ = checkify.checkify(step)(full_cache, X[:, :1])
     with pytest.raises(
@@ -145,15 +145,32 @@ def test_decoding_past_the_cache_under_jit_is_nan_and_checkify_raises(decoder):
 
 def test_decode_arguments_are_checked():
     causal = qkv_jax.MultiHeadAttention(num_heads=2, is_causal=True)
-    with pytest.raises(ValueError, match="decode=True needs is_causal=True"):
-        qkv_jax.MultiHeadAttention(num_heads=2).init(jax.random.PRNGKey(0), X, decode=True)
-    with pytest.raises(ValueError, match="decode=True is self-attention; pass no inputs_kv"):
-        causal.init(jax.random.PRNGKey(0), X, X, decode=True)
     variables = causal.init(jax.random.PRNGKey(0), X, decode=True)
     with pytest.raises(ValueError, match=r"does not fit the cache of shape \(2, 6, 2, 4\)"):
         causal.apply(variables, X[:1, :1], decode=True, mutable=["cache"])
-    with pytest.raises(ValueError, match="kv_latent_dim must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="kv_latent_dim=0 must be a positive int"):
         qkv_jax.MultiHeadAttention(num_heads=2, kv_latent_dim=0)
+    with pytest.raises(ValueError, match="keys and values are rebuilt from one latent"):
+        qkv_jax.MultiHeadAttention(num_heads=2, kv_latent_dim=3).init(jax.random.PRNGKey(0), X, X, X + 1)
+
+
+def test_decoding_without_is_causal_attends_to_the_filled_positions_up_to_its_own():
+    """As flax's one-token decode: the cache is causal in its positions whatever is_causal says
+    (here in segments of 2, 1 and 3 tokens), while `init` with decode=True, which creates the
+    cache, is the ordinary pass over all positions."""
+    plain = qkv_jax.MultiHeadAttention(num_heads=2, decode=True)
+    params, cache = plain.init(jax.random.PRNGKey(4), X).values()
+    full = plain.init_with_output(jax.random.PRNGKey(4), X)[0]
+    np.testing.assert_allclose(full, plain.apply({"params": params}, X, decode=False), atol=1e-6)
+
+    @jax.jit
+    def step(cache, inputs):
+        output, state = plain.apply({"params": params, "cache": cache}, inputs, mutable=["cache"])
+        return output, state["cache"]
+
+    decoded, _ = decode_in_segments(step, cache, X, (2, 1, 3))
+    causal = qkv_jax.MultiHeadAttention(num_heads=2, is_causal=True)
+    np.testing.assert_allclose(decoded, causal.apply({"params": params}, X), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])

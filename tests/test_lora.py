@@ -1,6 +1,9 @@
 """LoRA adapters: the layer against a float64 reference, fresh adapters change nothing, merged
 adapters load into the plain modules and decode with the KV cache, only the adapters train."""
 
+import dataclasses
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -106,7 +109,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_merged_adapters_load_into_the_plain_model_and_decode_with_the_cache(variant):
     adapted = make_model(lora_rank=2, lora_alpha=4.0, **VARIANTS[variant])
-    plain = adapted.replace(lora_rank=0)
+    plain = adapted.clone(config=dataclasses.replace(adapted.config, lora_rank=0))
     params = perturbed(adapted.init(jax.random.PRNGKey(1), TOKENS)["params"], scale=0.2)
     full = adapted.apply({"params": params}, TOKENS)
     merged = merge_lora(params, 4.0)
@@ -169,14 +172,14 @@ def test_only_the_adapters_train_with_optax_masking():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (dict(lora_rank=-1), "lora_rank must be an int >= 0, got -1"),
-        (dict(lora_rank=2, lora_alpha=0.0), "lora_alpha must be a number > 0, got 0.0"),
-        (dict(lora_targets=("query", "ffn")), "lora_targets must be a tuple of"),
-        (dict(lora_rank=2, lora_targets=("kv_latent",)), "lora_targets has 'kv_latent' but kv_latent_dim"),
+        (dict(lora_rank=-1), "lora_rank=-1 must be an int >= 0"),
+        (dict(lora_rank=2, lora_alpha=0.0), "lora_alpha=0.0 must be a number > 0"),
+        (dict(lora_targets=("query", "ffn")), "lora_targets=('query', 'ffn') must be a tuple of"),
+        (dict(lora_rank=2, lora_targets=("kv_latent",)), "has 'kv_latent' but kv_latent_dim=None"),
     ],
 )
 def test_bad_lora_arguments(overrides, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         make_model(**overrides)
-    with pytest.raises(ValueError, match="rank must be a positive int"):
+    with pytest.raises(ValueError, match="rank=0 must be a positive int"):
         LoRADenseGeneral(4, rank=0)

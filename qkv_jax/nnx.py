@@ -1,0 +1,642 @@
+"""qkv_jax's attention and language model as native `flax.nnx` modules.
+
+  LoRALinearGeneral   `flax.nnx.LinearGeneral` with a LoRA adapter (the linen
+                      `qkv_jax.lora.LoRADenseGeneral`'s parameters).
+  MultiHeadAttention  a drop-in for `flax.nnx.MultiHeadAttention` (its
+                      constructor, call, attribute names, `init_cache`), with
+                      qkv_jax's extras: MLA latents, head_dim/v_head_dim,
+                      is_causal, scale, the attention implementation, LoRA.
+  TransformerBlock, TransformerLM  the linen `qkv_jax.lm` model from the same
+                      `TransformerConfig`, with `init_cache` and decoding.
+  generate            prompt -> sampled tokens for the nnx `TransformerLM`.
+  linen_to_nnx, nnx_to_linen  parameters (and decode caches) between the linen
+                      modules' variables and these modules, both ways.
+  dot_product_attention  the default `attention_fn` (flax's signature,
+                      `qkv_jax.dot_product_attention` underneath).
+
+Both module families run the same pure functions of `qkv_jax.modules`
+(`project_inputs`, `append_to_cache`, `attend_entries`): only where the
+parameters and the cache live differs. Attribute names equal the linen
+parameter names, so `nnx.to_pure_dict(nnx.state(model, nnx.Param))` is the
+linen `params` tree.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.module import first_from
+from flax.nnx.nn import dtypes as nnx_dtypes
+
+from qkv_jax import lm
+from qkv_jax.attention import PrecisionLike
+from qkv_jax.lora import check_adapter, default_lora_a_init, lora_update
+from qkv_jax.modules import (
+    AttentionLayers,
+    _check_inputs,
+    _check_positive,
+    append_to_cache,
+    attend_entries,
+    check_attention_settings,
+    flax_dot_product_attention,
+    project_inputs,
+    resolve_head_dim,
+)
+
+Array = jax.Array
+Dtype = Any
+Initializer = Any
+
+__all__ = [
+    "MultiHeadAttention",
+    "LoRALinearGeneral",
+    "TransformerBlock",
+    "TransformerLM",
+    "generate",
+    "linen_to_nnx",
+    "nnx_to_linen",
+    "dot_product_attention",
+]
+
+dot_product_attention = flax_dot_product_attention
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+# flax.nnx.MultiHeadAttention's initializers.
+_KERNEL_INIT = nnx.initializers.lecun_normal()
+_BIAS_INIT = nnx.initializers.zeros_init()
+
+
+class LoRALinearGeneral(nnx.LinearGeneral):
+    """`flax.nnx.LinearGeneral` with a trainable low-rank update beside its kernel.
+
+    `LoRALinearGeneral(in_features, out_features, *, rank, alpha, lora_a_init=None,
+    rngs, **LinearGeneral's options)` (no `batch_axis`): parameters `kernel` and
+    `bias` (drawn first, as LinearGeneral draws them), `lora_a` `[in..., r]`
+    and `lora_b` `[r, out...]` (zero), the same names and shapes as
+    `qkv_jax.lora.LoRADenseGeneral`'s. Output = LinearGeneral(x) + (alpha / r) (x A) B.
+    """
+
+    def __init__(
+        self,
+        in_features: Any,
+        out_features: Any,
+        *,
+        rank: int,
+        alpha: float,
+        lora_a_init: Initializer | None = None,
+        rngs: nnx.Rngs,
+        **options: Any,
+    ):
+        check_adapter("LoRALinearGeneral", rank, alpha)
+        if options.get("batch_axis"):
+            raise ValueError(f"LoRALinearGeneral: batch_axis={options['batch_axis']!r} is not supported")
+        super().__init__(in_features, out_features, rngs=rngs, **options)
+        self.alpha = alpha
+        init = lora_a_init or default_lora_a_init(len(self.in_features))
+        self.lora_a = nnx.Param(init(rngs.params(), (*self.in_features, rank), self.param_dtype))
+        self.lora_b = nnx.Param(jnp.zeros((rank, *self.out_features), self.param_dtype))
+
+    def __call__(self, inputs: Array, out_sharding: Any = None) -> Array:
+        output = super().__call__(inputs, out_sharding=out_sharding)  # (..., out...)
+        axis = tuple(sorted(a % inputs.ndim for a in self.axis))
+        update = lora_update(
+            inputs, self.lora_a[...], self.lora_b[...], axis, self.alpha, self.dtype, self.precision
+        )
+        return output + update.astype(output.dtype)  # (..., out...)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention; a drop-in for `flax.nnx.MultiHeadAttention`.
+
+    flax.nnx's constructor `(num_heads, in_features, qkv_features=None,
+    out_features=None, num_kv_heads=None, in_kv_features=None, *, dtype,
+    param_dtype, broadcast_dropout, dropout_rate, deterministic, precision,
+    kernel_init, out_kernel_init, bias_init, out_bias_init, use_bias,
+    attention_fn, decode, normalize_qk, qkv_promote_dtype, out_promote_dtype,
+    ln_promote_dtype, qkv_dot_general(_cls), out_dot_general(_cls), rngs,
+    keep_rngs, the *_metadata mappings)`, with flax's meaning and defaults:
+    sub-modules `query` `[D, N, H]`, `key`/`value` `[D_kv, K, H]`, `out` `[N,
+    Hv, D_out]` (`nnx.LinearGeneral`, drawn from `rngs` in flax's order, so the
+    same `rngs` give the same parameters), `query_ln`/`key_ln` with
+    normalize_qk, `rngs` (a forked dropout stream, with dropout and
+    keep_rngs), and the decode cache `cached_key`, `cached_value`,
+    `cache_index` (`nnx.Cache`, created by `init_cache`).
+
+    qkv_jax's keywords (see the linen `qkv_jax.MultiHeadAttention`): head_dim,
+    v_head_dim, kv_latent_dim (MLA: `kv_latent` `[D_kv, C]`, key/value
+    `[C, K, H]`, the cache holds `cached_latent` `[batch..., L, C]`),
+    absorb_latent, is_causal (key s visible to query t when s <= t), scale,
+    force_fp32_for_softmax, sow_weights, attention_implementation, lora_rank,
+    lora_alpha, lora_targets (`qkv_jax.lora.LoRALinearGeneral` projections).
+
+    `__call__(inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+    deterministic=None, rngs=None, sow_weights=False, decode=None,
+    is_causal=None, out_sharding=None, qkv_sharding=None, head_mask=None)`:
+    inputs `[batch..., T, in_features]` and `[batch..., S, in_kv_features]`,
+    returns `[batch..., T, out_features]`. Call arguments take precedence over
+    the constructor's. Sown weights `[batch..., N, T, S]` go to
+    `nnx.Intermediate` `attention_weights` (`nnx.capture`, `nnx.pop`).
+    Decoding appends T >= 1 positions per call; each query sees the cached
+    positions up to its own.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
+        *,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        broadcast_dropout: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = _KERNEL_INIT,
+        out_kernel_init: Initializer | None = None,
+        bias_init: Initializer = _BIAS_INIT,
+        out_bias_init: Initializer | None = None,
+        use_bias: bool = True,
+        attention_fn: Callable[..., Array] = flax_dot_product_attention,
+        decode: bool | None = None,
+        normalize_qk: bool = False,
+        qkv_promote_dtype: Any = nnx_dtypes.promote_dtype,
+        out_promote_dtype: Any = nnx_dtypes.promote_dtype,
+        ln_promote_dtype: Any = nnx_dtypes.promote_dtype,
+        qkv_dot_general: Any = None,
+        out_dot_general: Any = None,
+        qkv_dot_general_cls: Any = None,
+        out_dot_general_cls: Any = None,
+        rngs: nnx.Rngs,
+        keep_rngs: bool = True,
+        kernel_metadata: Mapping[str, Any] = _EMPTY,
+        out_kernel_metadata: Mapping[str, Any] = _EMPTY,
+        bias_metadata: Mapping[str, Any] = _EMPTY,
+        out_bias_metadata: Mapping[str, Any] = _EMPTY,
+        query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+        key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        kv_latent_dim: int | None = None,
+        absorb_latent: bool = True,
+        is_causal: bool = False,
+        scale: float | None = None,
+        force_fp32_for_softmax: bool = False,
+        sow_weights: bool = False,
+        attention_implementation: str | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_targets: tuple[str, ...] = ("query", "value"),
+    ):
+        owner = "qkv_jax.nnx.MultiHeadAttention"
+        # The fields as given, checked by the same function as the linen module's.
+        self.num_heads = num_heads
+        self.qkv_features = qkv_features
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.v_head_dim = v_head_dim
+        self.out_features = out_features
+        self.kv_latent_dim = kv_latent_dim
+        self.dropout_rate = dropout_rate
+        self.normalize_qk = normalize_qk
+        self.absorb_latent = absorb_latent
+        self.attention_fn = attention_fn
+        self.scale = scale
+        self.attention_implementation = attention_implementation
+        self.qk_attn_weights_einsum_cls = None
+        self.attn_weights_value_einsum_cls = None
+        self.lora_rank, self.lora_alpha, self.lora_targets = lora_rank, lora_alpha, lora_targets
+        check_attention_settings(owner, self)
+        _check_positive(owner, in_features=in_features, in_kv_features=in_kv_features)
+        # Then resolved, as flax.nnx keeps them.
+        self.in_features = in_features
+        self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+        self.head_dim = resolve_head_dim(owner, num_heads, head_dim, qkv_features, in_features)
+        self.v_head_dim = v_head_dim or self.head_dim
+        self.qkv_features = num_heads * self.head_dim
+        self.out_features = out_features if out_features is not None else in_features
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.broadcast_dropout = broadcast_dropout
+        self.deterministic = deterministic
+        self.precision = precision
+        self.use_bias = use_bias
+        self.decode = decode
+        self.is_causal = is_causal
+        self.force_fp32_for_softmax = force_fp32_for_softmax
+        self.sow_weights = sow_weights
+
+        def projection(name: str, features_in: Any, features_out: Any, **options: Any) -> nnx.LinearGeneral:
+            is_out = name == "out"
+            options |= dict(
+                use_bias=use_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=(out_kernel_init or kernel_init) if is_out else kernel_init,
+                bias_init=(out_bias_init or bias_init) if is_out else bias_init,
+                precision=precision,
+                promote_dtype=out_promote_dtype if is_out else qkv_promote_dtype,
+                dot_general=out_dot_general if is_out else qkv_dot_general,
+                dot_general_cls=out_dot_general_cls if is_out else qkv_dot_general_cls,
+                kernel_metadata=(out_kernel_metadata or kernel_metadata) if is_out else kernel_metadata,
+                bias_metadata=(out_bias_metadata or bias_metadata) if is_out else bias_metadata,
+                rngs=rngs,
+            )
+            if lora_rank and name in lora_targets:
+                return LoRALinearGeneral(
+                    features_in, features_out, rank=lora_rank, alpha=lora_alpha, **options
+                )
+            return nnx.LinearGeneral(features_in, features_out, **options)
+
+        # flax.nnx's order of draws from rngs: query, key, value, (query_ln, key_ln,) out.
+        self.query = projection("query", in_features, (num_heads, self.head_dim))
+        self.kv_latent: nnx.LinearGeneral | None = nnx.data(None)
+        key_in = self.in_kv_features
+        if kv_latent_dim is not None:
+            self.kv_latent = projection("kv_latent", self.in_kv_features, kv_latent_dim)
+            key_in = kv_latent_dim
+        self.key = projection("key", key_in, (self.num_kv_heads, self.head_dim))
+        self.value = projection("value", key_in, (self.num_kv_heads, self.v_head_dim))
+        self.query_ln: nnx.LayerNorm | None = nnx.data(None)
+        self.key_ln: nnx.LayerNorm | None = nnx.data(None)
+        if normalize_qk:
+            norm = functools.partial(
+                nnx.LayerNorm,
+                self.head_dim,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                promote_dtype=ln_promote_dtype,
+                rngs=rngs,
+            )
+            self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
+            self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
+        self.out = projection("out", (num_heads, self.v_head_dim), self.out_features, axis=(-2, -1))
+        self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
+        for name in self._cache_names():
+            setattr(self, f"cached_{name}", nnx.data(None))
+        self.cache_index: nnx.Cache | None = nnx.data(None)
+
+    def _cache_names(self) -> tuple[str, ...]:
+        return ("latent",) if self.kv_latent_dim is not None else ("key", "value")
+
+    def _layers(self, qkv_sharding: Any, out_sharding: Any) -> AttentionLayers:
+        def sharded(layer: nnx.LinearGeneral, sharding: Any) -> Callable[[Array], Array]:
+            return functools.partial(layer, out_sharding=sharding)
+
+        return AttentionLayers(
+            query=sharded(self.query, qkv_sharding),
+            key=sharded(self.key, qkv_sharding),
+            value=sharded(self.value, qkv_sharding),
+            out=sharded(self.out, out_sharding),
+            kv_latent=None if self.kv_latent is None else sharded(self.kv_latent, qkv_sharding),
+            query_ln=self.query_ln,
+            key_ln=self.key_ln,
+            params=lambda name: nnx.to_pure_dict(nnx.state(getattr(self, name), nnx.Param)),
+        )
+
+    def init_cache(self, input_shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> None:
+        """Zeroed decode cache for inputs of shape `[batch..., max_length, features]`, as flax.nnx's.
+
+        `cached_key` `[batch..., max_length, K, H]` and `cached_value` `[...,
+        K, Hv]` (with MLA `cached_latent` `[batch..., max_length, C]`) in
+        `dtype`, and `cache_index` 0.
+        """
+        positions = tuple(input_shape[:-1])  # (batch..., max_length)
+        widths = {
+            "key": (self.num_kv_heads, self.head_dim),
+            "value": (self.num_kv_heads, self.v_head_dim),
+            "latent": (self.kv_latent_dim,),
+        }
+        for name in self._cache_names():
+            setattr(self, f"cached_{name}", nnx.Cache(jnp.zeros((*positions, *widths[name]), dtype)))
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+    def set_view(
+        self,
+        deterministic: bool | None = None,
+        decode: bool | None = None,
+        batch_size: int | tuple[int, ...] | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        """`nnx.view`'s hook: set `deterministic`/`decode`; a first decode view creates the cache
+        for `batch_size` (int or batch shape) and `max_length` positions."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is None:
+            return
+        self.decode = decode
+        if decode and self.cache_index is None:
+            if batch_size is None or max_length is None:
+                raise TypeError(
+                    "qkv_jax.nnx.MultiHeadAttention.set_view: a decode view creates the cache and needs "
+                    f"batch_size and max_length, got batch_size={batch_size!r}, max_length={max_length!r}"
+                )
+            batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+            self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)
+
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_k: Array | None = None,
+        inputs_v: Array | None = None,
+        *,
+        mask: Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
+        is_causal: bool | None = None,
+        out_sharding: Any = None,
+        qkv_sharding: Any = None,
+        head_mask: Array | None = None,
+    ) -> Array:
+        owner = "qkv_jax.nnx.MultiHeadAttention"
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError(
+                    f"{owner}: `inputs_k` cannot be None if `inputs_v` is not None. Pass the one input "
+                    "of keys and values as inputs_k"
+                )
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        _check_inputs(owner, "inputs_q", inputs_q, min_rank=1)
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{owner}: inputs_q has {inputs_q.shape[-1]} features (shape {inputs_q.shape}), "
+                f"in_features={self.in_features}"
+            )
+        layers = self._layers(qkv_sharding, out_sharding)
+        query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
+        decode = first_from(
+            decode, self.decode, error_msg=f"{owner}: pass decode to the constructor or the call"
+        )
+        fits = start = None
+        if decode:
+            if self.cache_index is None:
+                raise ValueError(f"{owner}: the decode cache is not initialized; call init_cache first")
+            cached = {name: getattr(self, f"cached_{name}")[...] for name in entries}
+            start = self.cache_index[...]
+            written, self.cache_index[...], fits = append_to_cache(
+                owner, cached, start, entries, axis=inputs_k.ndim - 2
+            )
+            for name, value in written.items():
+                getattr(self, f"cached_{name}")[...] = value
+            entries = written
+        dropout_rng = None
+        if self.dropout_rate > 0.0:  # flax.nnx's rule: `deterministic` is needed only with dropout
+            deterministic = first_from(
+                deterministic,
+                self.deterministic,
+                error_msg=f"{owner}: pass deterministic to the constructor or the call",
+            )
+            if not deterministic:
+                stream = self.rngs if rngs is None else rngs
+                if stream is None:
+                    raise ValueError(
+                        f"{owner}: dropout needs rngs= in the call when the module keeps none "
+                        "(keep_rngs=False)"
+                    )
+                dropout_rng = (stream.dropout if isinstance(stream, nnx.Rngs) else stream)()
+        else:
+            deterministic = True
+        return attend_entries(
+            self,
+            layers,
+            query,
+            entries,
+            mask=mask,
+            head_mask=head_mask,
+            is_causal=self.is_causal if is_causal is None else is_causal,
+            query_offset=start,
+            fits=fits,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            sow_module=self if sow_weights or self.sow_weights else None,
+        )
+
+
+class TransformerBlock(nnx.Module):
+    """`qkv_jax.lm.TransformerBlock` as an nnx module: the same sub-module names and math.
+
+    `TransformerBlock(config, *, rngs)`; `__call__(x, deterministic=True,
+    decode=False, head_mask=None)` on `[batch..., T, d_model]`.
+    """
+
+    def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs):
+        width, hidden = config.d_model, config.mlp_dim or 4 * config.d_model
+        norm = functools.partial(
+            nnx.LayerNorm, width, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+        )
+        self.attention_norm = norm()
+        self.attention = MultiHeadAttention(
+            in_features=width, decode=False, rngs=rngs, **lm.attention_options(config)
+        )
+        self.mlp_norm = norm()
+        dense: Any = nnx.Linear
+        options: dict[str, Any] = dict(
+            dtype=config.dtype, param_dtype=config.param_dtype, precision=config.precision, rngs=rngs
+        )
+        if config.lora_rank and "mlp" in config.lora_targets:
+            dense = functools.partial(LoRALinearGeneral, rank=config.lora_rank, alpha=config.lora_alpha)
+        self.mlp_in = dense(width, hidden, **options)
+        self.mlp_out = dense(hidden, width, **options)
+        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
+
+    def __call__(self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None) -> Array:
+        h = self.attention(
+            self.attention_norm(x), deterministic=deterministic, decode=decode, head_mask=head_mask
+        )  # (..., T, D)
+        x = x + self.dropout(h, deterministic=deterministic)
+        h = nnx.gelu(self.mlp_in(self.mlp_norm(x)))  # (..., T, mlp_dim)
+        return x + self.dropout(self.mlp_out(h), deterministic=deterministic)  # (..., T, D)
+
+
+class TransformerLM(nnx.Module):
+    """`qkv_jax.lm.TransformerLM` as an nnx module, built from the same `TransformerConfig`.
+
+    `TransformerLM(config, *, rngs)`; `__call__(tokens, deterministic=True,
+    decode=False, head_mask=None)`: int tokens `[batch..., T]` -> float32
+    logits `[batch..., T, vocab_size]`. Attributes `token_embedding`,
+    `position_embedding`, `block_0` ... `block_{L-1}`, `final_norm`, `head`:
+    the linen model's parameter names (`linen_to_nnx`, `nnx_to_linen`).
+    `init_cache(batch_size)` makes room for `config.max_len` positions;
+    decoding continues the positions from `cache_index`.
+    """
+
+    def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.token_embedding = nnx.Embed(
+            config.vocab_size,
+            config.d_model,
+            embedding_init=lm.embedding_init,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            rngs=rngs,
+        )
+        self.position_embedding = nnx.Param(
+            lm.embedding_init(rngs.params(), (config.max_len, config.d_model), config.param_dtype)
+        )
+        for layer in range(config.num_layers):
+            setattr(self, f"block_{layer}", TransformerBlock(config, rngs=rngs))
+        self.final_norm = nnx.LayerNorm(
+            config.d_model, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+        )
+        self.head = nnx.Linear(
+            config.d_model,
+            config.vocab_size,
+            use_bias=False,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            precision=config.precision,
+            rngs=rngs,
+        )
+        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
+
+    def blocks(self) -> list[TransformerBlock]:
+        return [getattr(self, f"block_{layer}") for layer in range(self.config.num_layers)]
+
+    def init_cache(self, batch_size: int, dtype: Dtype | None = None) -> None:
+        """A zeroed cache for `batch_size` sequences of up to `config.max_len` tokens, in `dtype`
+        (default: the computation dtype, else the parameters')."""
+        config = self.config
+        dtype = dtype or config.dtype or config.param_dtype
+        for block in self.blocks():
+            block.attention.init_cache((batch_size, config.max_len, config.d_model), dtype)
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def __call__(self, tokens: Array, deterministic: bool = True, decode: bool = False, head_mask=None):
+        config = self.config
+        lm.check_tokens(tokens, decode, config.max_len)
+        length = tokens.shape[-1]
+        if decode:  # the positions continue from the cache
+            if self.cache_index is None:
+                raise ValueError("qkv_jax.nnx.TransformerLM: decoding needs init_cache(batch_size) first")
+            self.cache_index[...], positions = lm.decode_positions(
+                self.cache_index[...], length, config.max_len
+            )
+            position_embedding = jnp.take(self.position_embedding[...], positions, axis=0)  # (T, D)
+        else:
+            position_embedding = self.position_embedding[:length]  # (T, D)
+        x = lm.add_positions(self.token_embedding(tokens), position_embedding)  # (..., T, D)
+        x = self.dropout(x, deterministic=deterministic)
+        if head_mask is not None and jnp.shape(head_mask) != (config.num_layers, config.num_heads):
+            raise ValueError(
+                f"qkv_jax.nnx.TransformerLM: head_mask has shape {jnp.shape(head_mask)}, expected "
+                f"(num_layers, num_heads) = {(config.num_layers, config.num_heads)}"
+            )
+        for layer, block in enumerate(self.blocks()):
+            layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
+            x = block(x, deterministic, decode, layer_mask)  # (..., T, D)
+        logits = self.head(self.final_norm(x))  # (..., T, V)
+        return logits.astype(jnp.float32)
+
+
+def _sample(graphdef, state, prompt, rng, temperature, max_new_tokens, top_k):
+    """`generate`'s traced body: a fresh cache, then `lm.sample_with_cache` over the nnx model."""
+    model = nnx.merge(graphdef, state)
+    model.init_cache(prompt.shape[0])
+    graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
+
+    def step(cache, tokens):
+        decoder = nnx.merge(graphdef, cache, rest)
+        logits = decoder(tokens, decode=True)  # (B, T, V)
+        return logits, nnx.state(decoder, nnx.Cache)
+
+    return lm.sample_with_cache(step, cache, prompt, rng, temperature, max_new_tokens, top_k)
+
+
+_compiled_sample = jax.jit(_sample, static_argnames=("graphdef", "max_new_tokens", "top_k"))
+
+
+def generate(
+    model: TransformerLM,
+    prompt: Any,
+    max_new_tokens: int,
+    *,
+    rng: Array,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> Array:
+    """`qkv_jax.lm.generate` for the nnx `TransformerLM`: `[B, max_new_tokens]` int32 tokens
+    after each row of `prompt` `[B, P]`, with the same checks and sampling. The model is not
+    changed (its own cache, if any, is left as it was)."""
+    prompt = jnp.asarray(prompt)
+    if not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"generate: prompt must hold integer tokens, got dtype {prompt.dtype}")
+    lm.check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
+    graphdef, state = nnx.split(model)
+    return _compiled_sample(
+        graphdef,
+        state,
+        prompt.astype(jnp.int32),
+        rng,
+        jnp.float32(temperature),
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+    )
+
+
+def _load(module: Any, tree: Mapping[str, Any], path: str, kind: type[nnx.Variable]) -> None:
+    for name, value in tree.items():
+        where = f"{path}/{name}"
+        current = getattr(module, name, None)
+        if isinstance(value, Mapping):
+            if current is None:
+                raise ValueError(f"linen_to_nnx: {where} has no sub-module in the nnx model")
+            _load(current, value, where, kind)
+        elif isinstance(current, kind) and current.shape == jnp.shape(value):
+            current[...] = jnp.asarray(value)
+        elif kind is nnx.Cache and (current is None or isinstance(current, nnx.Cache)):
+            setattr(module, name, nnx.Cache(jnp.asarray(value)))  # a cache of another size
+        else:
+            found = (
+                "nothing" if current is None else f"{type(current).__name__} {getattr(current, 'shape', '')}"
+            )
+            raise ValueError(
+                f"linen_to_nnx: {where} of shape {jnp.shape(value)} does not fit the nnx model's {found}"
+            )
+
+
+def _paths(tree: Any) -> set[str]:
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def linen_to_nnx(variables: Mapping[str, Any], model: nnx.Module) -> nnx.Module:
+    """Loads linen variables (`params`, and a decode `cache` if present) into `model`, in place.
+
+    `model` is the nnx twin of the linen module the variables come from
+    (`MultiHeadAttention` or `TransformerLM` with the same settings); every
+    parameter must be present with its shape. Returns `model`.
+    """
+    params = variables["params"]
+    wanted, given = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))), _paths(params)
+    if wanted != given:
+        raise ValueError(
+            f"linen_to_nnx: parameters of the nnx model missing from the linen params: "
+            f"{sorted(wanted - given)}; linen params the nnx model lacks: {sorted(given - wanted)}"
+        )
+    _load(model, params, "params", nnx.Param)
+    if "cache" in variables:
+        _load(model, variables["cache"], "cache", nnx.Cache)
+    return model
+
+
+def nnx_to_linen(model: nnx.Module) -> dict[str, Any]:
+    """The linen variables of `model`: `{"params": ...}`, plus `"cache"` when it has a decode cache."""
+    variables = {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}
+    cache = nnx.to_pure_dict(nnx.state(model, nnx.Cache))
+    if cache:
+        variables["cache"] = cache
+    return variables
