@@ -1,4 +1,5 @@
-"""qkv_jax modules next to flax: linen parameters both ways, and Flax NNX through the bridge."""
+"""qkv_jax modules next to flax: linen parameters both ways, flax.nnx's attention parameters
+into the linen modules and back (`qkv_jax.nnx`), and the linen modules in NNX through the bridge."""
 
 import flax.linen as nn
 import jax
@@ -8,6 +9,8 @@ import pytest
 from flax import nnx
 
 import qkv_jax
+from qkv_jax.nnx import MultiHeadAttention as NnxMultiHeadAttention
+from qkv_jax.nnx import linen_to_nnx, nnx_to_linen
 
 X = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
 MASK = qkv_jax.combine_masks(qkv_jax.causal_mask(6), qkv_jax.padding_mask(jnp.array([6, 4]), 6))
@@ -26,6 +29,24 @@ def test_flax_multihead_parameters_load_both_ways(use_bias):
     np.testing.assert_allclose(
         theirs.apply(from_ours, X, mask=MASK), ours.apply(from_ours, X, mask=MASK), atol=1e-6
     )
+
+
+def test_flax_nnx_attention_parameters_load_into_the_linen_modules_and_back():
+    """flax.nnx.MultiHeadAttention keeps its parameters under the linen names: `nnx_to_linen`
+    reads them for flax's and qkv_jax's linen modules, and `linen_to_nnx` loads them into
+    qkv_jax.nnx's module; all four give one output."""
+    theirs = nnx.MultiHeadAttention(4, 16, out_features=12, decode=False, rngs=nnx.Rngs(3))
+    variables = nnx_to_linen(theirs)
+    ours = linen_to_nnx(
+        variables, NnxMultiHeadAttention(4, 16, out_features=12, decode=False, rngs=nnx.Rngs(4))
+    )
+    want = theirs(X, mask=MASK)
+    for output in (
+        ours(X, mask=MASK),
+        qkv_jax.MultiHeadAttention(num_heads=4, out_features=12).apply(variables, X, mask=MASK),
+        nn.MultiHeadDotProductAttention(num_heads=4, out_features=12).apply(variables, X, mask=MASK),
+    ):
+        np.testing.assert_allclose(output, want, atol=1e-6, rtol=0)
 
 
 MODULES = [
