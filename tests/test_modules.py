@@ -162,6 +162,26 @@ def test_low_precision_multihead():
         (lambda: qkv_jax.SelfAttention(-2), "d_out=-2 must be a positive int"),
         (lambda: qkv_jax.LearnedQueryAttention(d_k=0, d_v=3), "d_k=0 must be a positive int"),
         (lambda: qkv_jax.StaticAttention(dropout_rate=-0.1), "dropout_rate=-0.1 must be in [0, 1)"),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=4, qkv_features=12, head_dim=4),
+            "qkv_features=12 != num_heads=4 * head_dim=4",
+        ),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=4, qkv_features=10),
+            "num_heads=4 does not divide qkv_features=10",
+        ),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=2, kv_latent_dim=3, normalize_qk=True),
+            "normalize_qk=True with kv_latent_dim=3 needs absorb_latent=False",
+        ),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=2, scale=1.0, attention_fn=nn.dot_product_attention),
+            "attention_fn=dot_product_attention takes no `scale` argument",
+        ),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=2, qk_attn_weights_einsum_cls=lambda: jnp.einsum),
+            "takes no `qk_attn_weights_einsum` argument",
+        ),
     ],
 )
 def test_bad_module_arguments(build, message):
@@ -207,12 +227,43 @@ def test_bad_module_arguments(build, message):
             lambda: qkv_jax.SelfAttention(2).init(jax.random.PRNGKey(0), X, mask=np.ones((S, S))),
             "mask must be boolean",
         ),
+        (
+            lambda: qkv_jax.MultiHeadAttention(num_heads=2).init(
+                jax.random.PRNGKey(0), X, X, np.ones((S, S), bool)
+            ),
+            "the third positional argument is inputs_v, as in flax, and got a boolean array of shape (5, 5); "
+            "pass mask=...",
+        ),
     ],
 )
 def test_bad_call_arguments(call, message):
     with pytest.raises((ValueError, TypeError)) as info:
         call()
     assert message in str(info.value)
+
+
+def test_causal_cross_attention_is_top_left_and_any_attention_fn_sees_the_same_mask():
+    """is_causal with T != S: query t sees keys 0..t (jax.nn's alignment). flax's own
+    attention function as `attention_fn` gets the triangle (and, decoding, the cache's
+    visibility) as an explicit mask and gives the same outputs."""
+    memory = jax.random.normal(jax.random.PRNGKey(9), (B, S + 2, D))
+    module = qkv_jax.MultiHeadAttention(num_heads=2, is_causal=True, sow_weights=True)
+    params = module.init(jax.random.PRNGKey(10), X, memory)
+    output, state = module.apply(params, X, memory, mutable=["intermediates"])
+    (weights,) = state["intermediates"]["attention_weights"]
+    top_left = np.arange(S + 2)[None, :] <= np.arange(S)[:, None]  # (T, S + 2)
+    assert_attention_weights(weights, np.broadcast_to(top_left, weights.shape))
+    theirs = module.clone(attention_fn=nn.dot_product_attention)
+    np.testing.assert_allclose(theirs.apply(params, X, memory), output, atol=1e-6)
+    outputs = []
+    for variant in (module, theirs):
+        variant = variant.clone(decode=True, sow_weights=False)
+        cache = variant.init(jax.random.PRNGKey(10), X)["cache"]
+        first, state = variant.apply({**params, "cache": cache}, X[:, :3], mutable=["cache"])
+        second, _ = variant.apply({**params, "cache": state["cache"]}, X[:, 3:], mutable=["cache"])
+        outputs.append(jnp.concatenate([first, second], axis=1))
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-6)
+    np.testing.assert_allclose(outputs[0], module.clone(sow_weights=False).apply(params, X), atol=1e-5)
 
 
 class TestAssertAttentionWeights:
