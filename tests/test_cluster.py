@@ -331,19 +331,23 @@ def test_real_full_filesystem(tmp_path, reference_run):
 @pytest.mark.reliability(
     "Finished runs",
     "the command of a finished run run again (its last step off the log grid: steps 20, log_every 3)",
-    "the run is left as it was: summary.json, metrics.jsonl and the checkpoints unchanged, the same "
-    "summary returned; `final_loss` is the loss of step steps - 1 in both",
+    "the run is left as it was: config.json, summary.json, metrics.jsonl and the checkpoints unchanged, "
+    "the same summary returned, marked `already_finished`; `final_loss` is the loss of step steps - 1 "
+    "in both",
 )
 def test_finished_run_is_left_as_it_was(tmp_path):
     config = small_config(log_every=3)
     first = train_and_evaluate(config, tmp_path)
-    files = {name: (tmp_path / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+    names = ("config.json", "summary.json", "metrics.jsonl")
+    files = {name: (tmp_path / name).read_bytes() for name in names}
     records = [json.loads(line) for line in files["metrics.jsonl"].decode().splitlines()]
     assert records[-1]["step"] == 19 and first["final_loss"] == records[-1]["loss"]
+    steps = Checkpoints(tmp_path / "checkpoints").all_steps()
     again = train_and_evaluate(config, tmp_path)
-    assert again == json.loads(files["summary.json"])
+    assert again == {**json.loads(files["summary.json"]), "already_finished": True, "not_applied": []}
     for name, content in files.items():
         assert (tmp_path / name).read_bytes() == content, name
+    assert Checkpoints(tmp_path / "checkpoints").all_steps() == steps
 
 
 @pytest.mark.slow

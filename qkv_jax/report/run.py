@@ -22,6 +22,7 @@ verified), so a run can be reported while it trains.
 from __future__ import annotations
 
 import pathlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from qkv_jax.training.checkpoints import Checkpoints, NoCheckpointError, read_pa
 from qkv_jax.training.loop import seed_keys
 from qkv_jax.training.setup import Setup, build_setup
 from qkv_jax.training.validate import ConfigError
-from qkv_jax.training.workdir import plain, read_json, read_metrics, write_json
+from qkv_jax.training.workdir import check_workdir_path, plain, read_json, read_metrics, write_json
 
 __all__ = ["MAX_CHECKPOINTS", "load_run", "report_run", "write_explorer_page", "inspect_run", "is_sweep"]
 
@@ -66,6 +67,7 @@ def report_run(workdir: str | pathlib.Path, prompt: str | None = None) -> dict:
 
     workdir = pathlib.Path(workdir)
     config, setup, params, step = load_run(workdir)
+    check_workdir_path(workdir)  # the report is written beside the run: a colleague's may be read-only
     keys = seed_keys(config["seed"])
     metrics, examples = jax.device_get(jax.jit(setup.evaluate)(params, keys["eval"], setup.data))
     if setup.save_examples is not None:
@@ -103,7 +105,8 @@ def checkpoint_frames(
 ) -> tuple[list[tuple[int, Any]], int]:
     """([(step, params)] of up to MAX_CHECKPOINTS checkpoints in `directory`, oldest first, the
     number saved). `params_of(params)` picks the parameters to show (for a sweep cell's
-    vmapped seeds, the first seed's)."""
+    vmapped seeds, the first seed's). A checkpoint that a run training at the same time
+    deletes while it is read is left out without a warning."""
     if not directory.is_dir():
         return [], 0
     checkpoints = Checkpoints(directory, max_to_keep=None, read_only=True)
@@ -111,7 +114,13 @@ def checkpoint_frames(
         steps = checkpoints.all_steps()
         frames = []
         for step in _spread(steps, MAX_CHECKPOINTS):
-            tree = checkpoints.restore(step, params_only=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tree = checkpoints.restore(step, params_only=True)
+            if tree is None and not (directory / str(step)).exists():
+                continue  # a run training now deleted it (train.keep_checkpoints) while it was read
+            for warning in caught:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
             if tree is not None:
                 frames.append((step, params_of(tree)))
     finally:
@@ -217,6 +226,7 @@ def inspect_run(workdir: str | pathlib.Path, text: str | None = None) -> pathlib
 
     workdir = pathlib.Path(workdir)
     config, setup, params, step = load_run(workdir)
+    check_workdir_path(workdir)
     if setup.inspect is None:
         raise ConfigError(
             f"task.name={config['task']['name']!r}: this experiment has no attention maps to inspect"

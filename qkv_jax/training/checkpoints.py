@@ -204,6 +204,10 @@ class Checkpoints:
         one, the tree as saved, as host arrays. `params_only` returns (and verifies) just the
         parameters.
         """
+        record_path = self.directory / str(step) / "record"
+        if (self.directory / str(step)).is_dir() and not record_path.exists():
+            self._warn(step, f"has no digest record ({record_path} is missing), so it cannot be verified")
+            return None
         record = self._read(step, record=ocp.args.JsonRestore())
         if record is None:
             return None

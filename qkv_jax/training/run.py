@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import pathlib
 import sys
 import time
@@ -49,19 +50,27 @@ from qkv_jax.training.loop import (
 from qkv_jax.training.preemption import StopSignals
 from qkv_jax.training.setup import Setup, build_setup, to_dict
 from qkv_jax.training.sharding import is_primary, make_mesh, mesh_shape, to_host
+from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import (
+    RESUMABLE_FIELDS,
     RUN_OUTPUTS,
     MetricsWriter,
+    WorkdirError,
     WorkdirLock,
-    check_writable,
+    check_workdir_path,
+    differences,
     disk_full_guard,
+    make_workdir,
+    missing_steps,
+    move_aside,
+    newest_checkpoint_step,
     plain,
-    prepare_workdir,
     read_json,
+    saved_config,
     write_json,
 )
 
-__all__ = ["Run", "train_and_evaluate", "train_seeds"]
+__all__ = ["Run", "check_run", "check_workdir", "train_and_evaluate", "train_seeds"]
 
 Probe = Callable[[Any], dict]
 
@@ -86,6 +95,7 @@ class Run:
     lock: WorkdirLock | None
     stop: StopSignals
     restore_signals: bool
+    log: Callable[[str], None]  # where the run says what it starts from
     probe: Any = None  # the jitted probe, or None
     timings: dict = dataclasses.field(default_factory=dict)
     metrics: MetricsWriter | None = None
@@ -119,37 +129,49 @@ def train_and_evaluate(
     seeds: Sequence[int] | None = None,
     stop: StopSignals | None = None,
     probe: Probe | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
     """Trains the experiment `config` describes, resuming from `workdir`'s checkpoints.
 
     Writes into `workdir`: config.json, metrics.jsonl (`{"step": s, "loss": ...}`,
     the training loss of step s, computed before its update; step 0 is the
     untrained model), checkpoints/, summary.json and the experiment's pictures.
-    Returns the summary. A run that already finished (its newest checkpoint is
-    at `train.steps` and summary.json is written) is left as it is, and its
-    summary returned. Raises ConfigError for a bad config (before anything
-    compiles) and FloatingPointError when the loss stops being finite (with
-    `train.checkify=True`, when any operation inside the compiled step makes a
-    nan or divides by zero, naming the operation).
+    Returns the summary.
+
+    A workdir never contradicts itself: config.json describes what its
+    checkpoints and summary hold. A run that already finished at `train.steps`
+    is left as it is (config.json too, even if resumable fields such as
+    `eval.*` differ: the summary's `not_applied` lists them) and its summary
+    returned with `already_finished: True`. More steps continue a finished run:
+    its summary.json is first renamed `summary-<steps>.json`, so that no
+    summary claims the new end before it is reached. Fewer steps than the
+    workdir's run already has are refused (ConfigError, nothing changed) unless
+    `train.overwrite`. Raises ConfigError for a bad config (before anything is
+    written or compiled) and FloatingPointError when the loss stops being
+    finite (with `train.checkify=True`, when any operation inside the compiled
+    step makes a nan or divides by zero, naming the operation).
 
     `seeds`: train one copy per seed in one vmapped program (`train_seeds`).
     `setup`: the config's Setup when the caller built it already. `stop`: the
     signal handler to obey (a sweep shares one across its cells; by default the
     run installs its own). `probe(params) -> {name: array}` (one seed's
     parameters) is measured before training and after every compiled chunk, into
-    probes.jsonl and the summary's `probes`.
+    probes.jsonl and the summary's `probes`. `log(line)`: where the run says
+    what it starts from ("starting from step 0", "resuming from checkpoint step
+    N"); absl's INFO log by default.
 
     `config.mesh.data` x `config.mesh.model` devices (see
     `qkv_jax.training.sharding`) run one jitted step with explicit shardings;
     in a multi-process run (after `jax.distributed.initialize`) every process
     calls this, and process 0 alone writes metrics, summary and pictures.
     """
-    run = start_run(to_dict(config), workdir, setup, seeds, stop, probe)
+    run = start_run(to_dict(config), workdir, setup, seeds, stop, probe, log)
     try:
         # Restore or initialise.
         initial_state, state, start_step = restore_or_init(run)
         if (finished := finished_summary(run, start_step)) is not None:
             return finished
+        announce_start(run, start_step, record_config(run))
         # Evaluate the untrained model; its pictures are drawn while the training runs.
         untrained, examples_before = evaluate(run, initial_state.params)
         if run.setup.save_examples is not None and run.primary and run.seeds is None:
@@ -188,6 +210,29 @@ def train_seeds(
     return train_and_evaluate(config, workdir, setup=setup, seeds=seeds, stop=stop, probe=probe)
 
 
+def check_run(config: Any, workdir: str | pathlib.Path | None) -> str:
+    """Everything `train_and_evaluate` checks before it compiles, with nothing written: the
+    shared sections and the task's (its `build`), the device mesh, and whether `workdir` can
+    take this run (`check_workdir`). Returns what the run would do, in words; raises
+    ConfigError naming the problem."""
+    config = to_dict(config)
+    build_setup(config)
+    mesh_shape(config)
+    steps = config["train"]["steps"]
+    name = config.get("experiment") or config["task"]["module"]
+    if workdir is None:
+        return f"{name} would train {steps} steps"
+    workdir = pathlib.Path(workdir)
+    if check_workdir(workdir, config):
+        return f"{name} would move the run in {workdir} aside (train.overwrite) and train {steps} steps"
+    trained = _trained_steps(workdir)
+    if trained == steps:
+        return f"{name}: the run in {workdir} has trained its {steps} steps; it would be left as it is"
+    if trained:
+        return f"{name} would resume from checkpoint step {trained} in {workdir} and train to step {steps}"
+    return f"{name} would train {steps} steps in {workdir}, from step 0"
+
+
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
@@ -200,47 +245,102 @@ def start_run(
     seeds: Sequence[int] | None,
     stop: StopSignals | None,
     probe: Probe | None,
+    log: Callable[[str], None] | None = None,
 ) -> Run:
-    """Validates and builds the task, prepares the workdir, mesh and optimizer, starts compiling."""
+    """Validates and builds the task, prepares the workdir, mesh and optimizer, starts compiling.
+    What it took (the workdir's lock, the compile threads) is given back when a later step fails."""
     started = time.perf_counter()
     setup = build_setup(config) if setup is None else setup
     mesh = make_mesh(*mesh_shape(config))
     primary = is_primary()
     workdir = None if workdir is None else pathlib.Path(workdir)
+    if workdir is not None and not primary:  # refuses as process 0 does, reading the shared files
+        check_workdir(workdir, config)
     lock = claim_workdir(workdir, config, setup) if primary and workdir is not None else None
-    _barrier("workdir ready")
-    vmapped = seeds is not None
-    seeds = None if seeds is None else tuple(int(s) for s in seeds)
-    keys = seed_keys(config["seed"]) if seeds is None else jax.vmap(seed_keys)(jnp.asarray(seeds))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
-    programs = CompiledPrograms(
-        setup, make_optimizer(config["train"]), mesh, keys, config, pool, vmapped=vmapped
-    )
-    programs.start(first_chunk=None)
-    if setup.save_examples is not None and primary and not vmapped:  # matplotlib's import, meanwhile
-        pool.submit(__import__, "qkv_jax.plots")
-    checkpoints = None
-    if workdir is not None:
-        checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(config["train"]))
-    jitted_probe = None if probe is None else jax.jit(jax.vmap(probe) if vmapped else probe)
+    try:
+        _barrier("workdir ready")
+        vmapped = seeds is not None
+        seeds = None if seeds is None else tuple(int(s) for s in seeds)
+        keys = seed_keys(config["seed"]) if seeds is None else jax.vmap(seed_keys)(jnp.asarray(seeds))
+        programs = CompiledPrograms(
+            setup, make_optimizer(config["train"]), mesh, keys, config, pool, vmapped=vmapped
+        )
+        programs.start(first_chunk=None)
+        if setup.save_examples is not None and primary and not vmapped:  # matplotlib's import, meanwhile
+            pool.submit(__import__, "qkv_jax.plots")
+        checkpoints = None
+        if workdir is not None:
+            checkpoints = Checkpoints(workdir / "checkpoints", max_to_keep=kept_checkpoints(config["train"]))
+        jitted_probe = None if probe is None else jax.jit(jax.vmap(probe) if vmapped else probe)
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if lock is not None:
+            lock.release()
+        raise
     restore_signals = stop is None
     stop = StopSignals().install() if stop is None else stop
+    log = log or (lambda line: logging.info("%s", line))
     return Run(
         config, setup, workdir, seeds, keys, mesh, pool, programs, checkpoints, primary, started, lock,
-        stop, restore_signals, jitted_probe,
+        stop, restore_signals, log, jitted_probe,
     )  # fmt: skip
 
 
+def _trained_steps(workdir: pathlib.Path) -> int:
+    """How far the run in `workdir` has trained: its newest checkpoint's step, or its summary's."""
+    try:
+        summary = read_json(workdir / "summary.json")
+    except WorkdirError:  # damaged: recomputed by the run that finds it
+        summary = None
+    ended = summary.get("steps") if isinstance(summary, dict) else None
+    return max(newest_checkpoint_step(workdir) or 0, ended if isinstance(ended, int) else 0)
+
+
+def check_workdir(workdir: pathlib.Path, config: dict) -> bool:
+    """Whether `workdir` can take the run `config` describes, read without writing anything.
+
+    ConfigError naming the workdir when it cannot be written (a file, not writable, a
+    read-only filesystem), holds a run of a different config (a field outside
+    RESUMABLE_FIELDS differs, and the run saved a checkpoint: one that stopped before its
+    first has nothing to keep), or holds one already trained past `train.steps`;
+    WorkdirError when its config.json is damaged. With `train.overwrite` the last two are
+    allowed: returns True when the run in it is to be moved aside first.
+    """
+    check_workdir_path(workdir)
+    saved = saved_config(workdir)
+    trained = _trained_steps(workdir)
+    started = trained > 0 or (workdir / "summary.json").exists()
+    # A run that saved nothing (it stopped before its first checkpoint) has nothing to keep.
+    changed = differences(saved, config, RESUMABLE_FIELDS) if saved is not None and started else []
+    steps, overwrite = config["train"]["steps"], config["train"]["overwrite"]
+    if changed and not overwrite:
+        raise ConfigError(
+            f"workdir={str(workdir)!r} holds a run of a different config ("
+            + "; ".join(changed[:3])
+            + "); use another workdir or --config.train.overwrite=True"
+        )
+    if trained > steps and not changed and not overwrite:
+        raise ConfigError(
+            f"workdir={str(workdir)!r} already holds a run trained to step {trained}, more than "
+            f"train.steps={steps}; nothing was changed: use train.steps={trained} or more to continue "
+            "it, another workdir, or --config.train.overwrite=True to move it aside"
+        )
+    return bool(changed) or trained > steps
+
+
 def claim_workdir(workdir: pathlib.Path, config: dict, setup: Setup) -> WorkdirLock:
-    """Creates the workdir, takes its lock (WorkdirBusyError naming a live holder), then checks
-    and writes its config.json (see `prepare_workdir`)."""
-    with disk_full_guard(f"the lock and config.json of {workdir}", "nothing else was written"):
-        check_writable(workdir)
+    """Checks the workdir (`check_workdir`, before anything is written), creates it and takes its
+    lock (WorkdirBusyError naming a live holder), and with `train.overwrite` moves a run it
+    replaces aside. config.json is written later, by `record_config`, once the run trains."""
+    check_workdir(workdir, config)
+    with disk_full_guard(f"the lock of {workdir}", "nothing else was written"):
+        make_workdir(workdir)
         lock = WorkdirLock(workdir)
         previous = lock.acquire()
         try:
-            outputs = RUN_OUTPUTS + setup.outputs
-            prepare_workdir(workdir, config, overwrite=config["train"]["overwrite"], outputs=outputs)
+            if check_workdir(workdir, config):  # again, holding the lock
+                move_aside(workdir, RUN_OUTPUTS + setup.outputs)
         except BaseException:
             lock.release()
             raise
@@ -257,11 +357,18 @@ def restore_or_init(run: Run) -> tuple[Any, Any, int]:
     """(initial state, state to train from, its step): the newest usable checkpoint in
     the workdir, else the initial state at step 0: fresh parameters, or with
     `train.init_from` another run's (`init_from.initial_params`; a fresh optimizer state,
-    whose init does not depend on the parameters' values)."""
+    whose init does not depend on the parameters' values). A workdir whose checkpoints are
+    all unusable is a WorkdirError (training from step 0 beside them would mix two runs)."""
     initial_state = run.programs.init()
     restored = None
     if run.checkpoints is not None:
         restored = run.checkpoints.restore_latest(checkpoint_tree(initial_state))
+        if restored is None and (saved := run.checkpoints.all_steps()):
+            raise WorkdirError(
+                f"{run.checkpoints.directory}: none of its checkpoints (steps "
+                f"{', '.join(map(str, saved))}) reads back and verifies (the warnings above say why); "
+                "move the directory aside to train this run from step 0, or use another workdir"
+            )
     if restored is None and run.config["train"]["init_from"]:
         params = initial_params(run.config, initial_state.params, vmapped=run.seeds is not None)
         initial_state = initial_state.replace(params=params)
@@ -270,7 +377,6 @@ def restore_or_init(run: Run) -> tuple[Any, Any, int]:
     else:
         start_step, tree = restored
         state = initial_state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
-        logging.info("%s", f"resuming from checkpoint step {start_step}")
     train = run.config["train"]
     if start_step < train["steps"]:
         run.programs.start(min(chunk_length(train), train["steps"] - start_step))
@@ -279,14 +385,61 @@ def restore_or_init(run: Run) -> tuple[Any, Any, int]:
 
 
 def finished_summary(run: Run, start_step: int) -> dict | None:
-    """The summary.json of a run that already finished at `train.steps`, else None."""
+    """The summary.json of a run that already finished at `train.steps`, with
+    `already_finished: True` and `not_applied` (the fields this config sets otherwise, left as
+    config.json has them), else None. A damaged summary.json of a finished run is recomputed:
+    None, with a warning. A missing config.json is written."""
     if run.workdir is None or start_step < run.config["train"]["steps"]:
         return None
-    summary = read_json(run.workdir / "summary.json")
-    if summary is None or summary.get("steps") != start_step:
+    path = run.workdir / "summary.json"
+    try:
+        summary = read_json(path, f"recomputing it from checkpoint step {start_step}")
+    except WorkdirError as error:
+        logging.warning("%s", str(error))
         return None
+    if not isinstance(summary, dict) or summary.get("steps") != start_step:
+        return None
+    saved = saved_config(run.workdir)
+    not_applied = [] if saved is None else differences(saved, run.config, ("train.overwrite",))
+    if saved is None and run.primary:  # deleted (it was damaged, say): the run's config, again
+        write_json(run.workdir / "config.json", run.config)
     logging.info("%s", f"the run finished at step {start_step} before; {run.workdir} is left as it was")
-    return summary
+    return {**summary, "already_finished": True, "not_applied": not_applied}
+
+
+def record_config(run: Run) -> str | None:
+    """Writes config.json (process 0) now that the run trains or evaluates. A summary.json of an
+    earlier end (a finished run continued to more steps) is first renamed
+    `summary-<steps>.json`: no summary claims to be this run's end before it is. Returns that
+    name, or None."""
+    if not run.primary or run.workdir is None:
+        return None
+    path, kept = run.workdir / "summary.json", None
+    try:
+        earlier = read_json(path)
+    except WorkdirError:  # damaged: recomputed at the end
+        earlier = None
+    with disk_full_guard(f"config.json in {run.workdir}", "nothing else was written"):
+        ended = earlier.get("steps") if isinstance(earlier, dict) else None
+        if isinstance(ended, int) and ended != run.config["train"]["steps"]:
+            kept = f"summary-{ended}.json"
+            os.replace(path, run.workdir / kept)
+        write_json(run.workdir / "config.json", run.config)
+    return kept
+
+
+def announce_start(run: Run, start_step: int, kept_summary: str | None) -> None:
+    """One line: the step the run starts from, and from what."""
+    if start_step == 0:
+        source = run.config["train"]["init_from"]
+        run.log("starting from step 0" + (f" with the parameters of {source}" if source else ""))
+    elif kept_summary is not None:
+        run.log(
+            f"resuming from checkpoint step {start_step}, where the run had finished, to step "
+            f"{run.config['train']['steps']} (the earlier summary is kept as {kept_summary})"
+        )
+    else:
+        run.log(f"resuming from checkpoint step {start_step}")
 
 
 def evaluate(run: Run, params: Any) -> tuple[dict, Any]:
@@ -315,7 +468,17 @@ def train(run: Run, state: Any, start_step: int) -> Any:
         log_every,
         enabled=run.primary,
         tensorboard=run.seeds is None,
+        final_step=steps - 1,
     )
+    if metrics.enabled and (gaps := missing_steps(metrics.records, start_step, log_every)):
+        count = f"{len(gaps)} logged step{'s' if len(gaps) > 1 else ''}"
+        which = f"step {gaps[0]}" if len(gaps) == 1 else f"steps {gaps[0]}-{gaps[-1]}"
+        logging.warning(
+            "%s",
+            f"{metrics.path}: no record of {count} before checkpoint step {start_step} ({which}; the file "
+            "was truncated or damaged, or train.log_every changed); training continues and the file keeps "
+            "the records that read back",
+        )
     if run.probe is not None:
         run.probes = MetricsWriter(None if directory is None else directory / "probes.jsonl", start_step, 1)
         run.probes.write({"step": start_step, **plain(run.probe(state.params))})

@@ -26,7 +26,7 @@ import jax
 
 from qkv_jax.training.validate import ConfigError, get_field, validate_shared_sections
 
-__all__ = ["AttentionView", "Setup", "build_setup", "to_dict"]
+__all__ = ["AttentionView", "Setup", "TaskError", "build_setup", "to_dict"]
 
 Params = Any
 Batch = Any
@@ -91,6 +91,12 @@ class Setup:
         return cls(**{name: getattr(functions, name) for name in names if hasattr(functions, name)}, **fields)
 
 
+class TaskError(ConfigError):
+    """A task module failed to import or build with something other than a ConfigError (its
+    `__cause__` is what it raised): a command line reports it as a bad config, a sweep as a
+    failed cell rather than a skipped one."""
+
+
 def to_dict(config: Any) -> dict:
     """A ConfigDict (or mapping) as a plain dict."""
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -99,8 +105,12 @@ def to_dict(config: Any) -> dict:
 def build_setup(config: Any) -> Setup:
     """Checks the shared sections, imports `config.task.module` and returns its `build(config)`.
 
-    A module that cannot be imported, or has no `build`, is a ConfigError
-    naming `task.module`; so is a `build` that returns something else.
+    Every way a task can fail to build is a ConfigError naming `task.module`: a
+    module that cannot be imported, one without a `build`, a `build` that
+    returns something other than a Setup. A module that raises while it is
+    imported, or a `build` that raises anything but a ConfigError (its own
+    passes through as it is), is a TaskError, whose `__cause__` is the
+    original exception.
     """
     config = to_dict(config)
     validate_shared_sections(config)
@@ -111,10 +121,23 @@ def build_setup(config: Any) -> Setup:
         module = importlib.import_module(path)
     except ImportError as error:
         raise ConfigError(f"task.module={path!r}: cannot be imported ({error})") from None
+    except Exception as error:  # noqa: BLE001 - a module that fails while it is imported
+        raise TaskError(f"task.module={path!r}: importing it raised {_one_line(error)}") from error
     build = getattr(module, "build", None)
     if not callable(build):
         raise ConfigError(f"task.module={path!r}: has no function build(config) -> Setup")
-    setup = build(config)
+    try:
+        setup = build(config)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the task's own failure, named as the task's
+        raise TaskError(f"task.module={path!r}: build(config) raised {_one_line(error)}") from error
     if not isinstance(setup, Setup):
         raise ConfigError(f"task.module={path!r}: build(config) returned {type(setup).__name__}, not a Setup")
     return setup
+
+
+def _one_line(error: BaseException) -> str:
+    """'ValueError: the first line of its message'."""
+    lines = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {lines[0]}" if lines else "")

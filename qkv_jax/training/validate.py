@@ -26,7 +26,12 @@ __all__ = [
     "require_choice",
     "require_bool",
     "require_divides",
+    "require_at_most",
+    "INT32_MAX",
 ]
+
+# Step counters and seeds are int32 inside the compiled programs.
+INT32_MAX = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -108,6 +113,22 @@ def require_divides(config: Any, divisor_field: str, dividend_field: str) -> Non
         raise ConfigError(f"{divisor_field}={divisor} does not divide {dividend_field}={dividend}")
 
 
+def require_at_most(config: Any, limit: int, why: str, *fields: str) -> None:
+    """Each of `fields` (already checked to be numbers) is at most `limit`; `why` says why."""
+    for field in fields:
+        value = get_field(config, field)
+        if value > limit:
+            raise ConfigError(f"{field}={value!r}: must be at most {limit} ({why})")
+
+
+def _is_directory(path: str) -> bool:
+    """Whether `path` names a directory; False for a name the filesystem refuses (too long, say)."""
+    try:
+        return pathlib.Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("constant", "cosine")
 
@@ -123,12 +144,24 @@ def validate_shared_sections(config: Any) -> None:
     require_choice(config, "train.schedule", SCHEDULES)
     require_bool(config, "train.overwrite", "train.checkify", "train.convert_kv_heads")
     require_nonnegative_int(config, "train.warmup_steps", "train.keep_checkpoints")
+    require_at_most(config, INT32_MAX, "the seed is an int32 inside the compiled program", "seed")
+    require_at_most(
+        config,
+        INT32_MAX,
+        "steps are counted in int32",
+        "train.steps",
+        "train.log_every",
+        "train.checkpoint_every",
+        "train.warmup_steps",
+    )
     require_positive_int(config, "eval.num_examples")
+    why = "JAX indexes with 32-bit integers by default"
+    require_at_most(config, INT32_MAX, why, "train.batch_size", "eval.num_examples")
     require_nonnegative_float(config, "train.weight_decay")
     if get_field(config, "train.grad_clip_norm") is not None:
         require_positive_float(config, "train.grad_clip_norm")
     source = get_field(config, "train.init_from")
-    if source is not None and (not isinstance(source, str) or not pathlib.Path(source).is_dir()):
+    if source is not None and (not isinstance(source, str) or not _is_directory(source)):
         raise ConfigError(f"train.init_from={source!r}: not a directory (a run's workdir or checkpoint)")
     if config["train"]["convert_kv_heads"] and source is None:
         raise ConfigError("train.convert_kv_heads=True: needs train.init_from (the run to convert)")
