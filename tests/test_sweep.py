@@ -1,8 +1,10 @@
 """Sweeps: vmapped seeds equal single runs; a tiny grid end to end, with resume."""
 
 import csv
+import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ from saved_state import final_state
 
 from configs import flag_retrieval
 from qkv_jax.studies.grid import apply_overrides, grid, parse_sweep_arg
-from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.studies.sweep import CellsFailed, run_sweep
 from qkv_jax.training import train_and_evaluate, train_seeds
 from qkv_jax.training.validate import ConfigError
 
@@ -120,7 +122,7 @@ def test_sweep_command_line(tmp_path):
     ]
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launcher_env())
     assert result.returncode == 0, result.stderr
-    assert "1 of 2 cells done, 1 skipped" in result.stdout
+    assert "1 of 2 cells done, 1 skipped, 0 failed" in result.stdout
     bad = subprocess.run(
         args[:-3] + ["--sweep", "model.d_k=two"],
         cwd=ROOT,
@@ -186,3 +188,120 @@ def test_two_shards_at_once_then_a_rerun(tmp_path):
     with open(tmp_path / "results.csv") as f:
         cells = [(row["model.num_heads"], row["model.d_k"]) for row in csv.DictReader(f)]
     assert sorted(cells) == sorted((h, d) for h in ("1", "2", "4") for d in ("4", "8"))
+
+
+# A task from outside qkv_jax whose model raises when it is initialised with three heads (while
+# `BROKEN`): the flag task's build, which accepts three heads of d_k=6, with its init replaced.
+OUTSIDE_TASK = """
+import dataclasses
+
+from qkv_jax.tasks import flag_retrieval
+
+BROKEN = ValueError
+
+
+def build(config):
+    setup = flag_retrieval.build(config)
+    if config["model"]["num_heads"] != 3 or BROKEN is None:
+        return setup
+
+    def init(key):
+        raise BROKEN("three heads do not fit this model")
+
+    return dataclasses.replace(setup, init=init)
+"""
+FAILING_GRID = {"model.d_k": [6], "model.num_heads": [1, 3]}
+
+
+@pytest.fixture
+def outside_task(tmp_path, monkeypatch):
+    """The task above as the module `outside_task` (importable from tmp_path), and a config using it."""
+    (tmp_path / "outside_task.py").write_text(OUTSIDE_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("outside_task")
+    config = tiny_config()
+    config.task.module = "outside_task"
+    yield module, config
+    sys.modules.pop("outside_task", None)
+
+
+@pytest.mark.reliability(
+    "Sweeps",
+    "a task from outside the repository whose model raises (ValueError in its init) for one cell",
+    "the other cells train; the cell's row says `failed` with a one-line reason in results.csv, .json, "
+    ".md and .html, its traceback is kept in cells/<cell>.traceback.txt; `CellsFailed` names the cell "
+    "(the command line: exit 1, one line); the same command retries only that cell, and once it trains "
+    "the traceback is gone",
+)
+def test_a_failing_cell_does_not_stop_the_sweep(tmp_path, outside_task):
+    module, config = outside_task
+    workdir, logged = tmp_path / "sweep", []
+    with pytest.raises(CellsFailed) as info:
+        run_sweep(config, workdir, FAILING_GRID, [0, 1], log=logged.append)
+    reason = "ValueError: three heads do not fit this model"
+    assert str(info.value) == (
+        f"1 of 2 cells failed: model.d_k=6,model.num_heads=3 ({reason}); the tracebacks are in "
+        f"{workdir / 'cells'}; run the same command to retry them"
+    )
+    assert [r["status"] for r in info.value.rows] == ["done", "failed"]
+    with open(workdir / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["status"], r["reason"]) for r in table] == [("done", ""), ("failed", reason)]
+    assert [r["status"] for r in json.loads((workdir / "results.json").read_text())["rows"]] == [
+        "done",
+        "failed",
+    ]
+    assert f"failed: {reason}" in (workdir / "results.md").read_text()
+    assert f"failed: {reason}" in (workdir / "results.html").read_text()
+    traceback_file = workdir / "cells" / "model.d_k=6,model.num_heads=3.traceback.txt"
+    assert "Traceback (most recent call last)" in traceback_file.read_text()
+    assert (workdir / "cells" / "model.d_k=6,model.num_heads=3" / ".lock").read_text() == ""  # released
+
+    logged.clear()
+    with pytest.raises(CellsFailed):
+        run_sweep(config, workdir, FAILING_GRID, [0, 1], log=logged.append)
+    assert logged[0] == "[1/2] model.d_k=6,model.num_heads=1: done before, skipped"
+    assert logged[1] == f"[2/2] model.d_k=6,model.num_heads=3: failed before ({reason}), trying again"
+
+    module.BROKEN = None  # the task is fixed
+    rows = run_sweep(config, workdir, FAILING_GRID, [0, 1], log=logged.append)
+    assert [r["status"] for r in rows] == ["done", "done"] and not traceback_file.exists()
+
+
+@pytest.mark.reliability(
+    "Sweeps",
+    "KeyboardInterrupt (a second Ctrl-C) raised while a cell starts",
+    "it stops the sweep at once: not recorded as a failed cell, the cell's lock released, the signal "
+    "handlers the sweep installed restored",
+)
+def test_keyboard_interrupt_stops_the_sweep(tmp_path, outside_task):
+    module, config = outside_task
+    module.BROKEN = KeyboardInterrupt
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(config, tmp_path, FAILING_GRID, [0, 1], log=lambda line: None)
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+    assert (tmp_path / "cells" / "model.d_k=6,model.num_heads=1.json").exists()
+    assert not (tmp_path / "cells" / "model.d_k=6,model.num_heads=3.json").exists()
+    assert (tmp_path / "cells" / "model.d_k=6,model.num_heads=3" / ".lock").read_text() == ""
+
+
+@pytest.mark.slow
+def test_sweep_command_line_with_a_failing_cell(tmp_path, outside_task):
+    args = [sys.executable, "-m", "experiments.sweep", "--config", "configs/flag_retrieval.py:multihead"]
+    args += ["--workdir", str(tmp_path / "sweep"), "--sweep", "model.num_heads=1,3", "--seeds", "2"]
+    args += [
+        "--config.model.d_k=6",
+        "--config.task.module=outside_task",
+        "--config.train.steps=8",
+        cache_flag(),
+    ]
+    env = launcher_env()
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "1 of 2 cells done, 0 skipped, 1 failed" in result.stdout
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith(
+        "error: 1 of 2 cells failed: model.num_heads=3 (ValueError: three heads do not fit"
+    )

@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from qkv_jax.training.workdir import write_atomic
+
 __all__ = [
     "LEVELS",
     "decode_attention",
@@ -280,7 +282,7 @@ def write_run_page(path: str | pathlib.Path, data: dict) -> pathlib.Path:
         [_asset("sortable_table.js"), _asset("run_page.js")],
     )
     path = pathlib.Path(path)
-    path.write_text(page, encoding="utf-8")
+    write_atomic(path, lambda f: f.write(page))  # a browser or copy never sees half a page
     return path
 
 
@@ -329,7 +331,7 @@ def _sweep_row(row: dict, fields: list[str], columns: list[str], link: str | Non
     values = [row["cell"].get(field, "") for field in fields]
     cells = [cell(format_value(value), value if _is_number(value) else None) for value in values]
     if row["status"] != "done":
-        cells += [cell(f"skipped: {row.get('reason', '')}", "")] + ["<td></td>"] * (len(columns) + 1)
+        cells += [cell(f"{row['status']}: {row.get('reason', '')}", "")] + ["<td></td>"] * (len(columns) + 1)
     else:
         cells += [cell(*_stats_cell(row.get(f"{column}_stats"))) for column in columns]
         cells += [cell(str(len(row["seeds"])), len(row["seeds"]))]
@@ -349,7 +351,7 @@ def write_sweep_page(
     `qkv_jax.studies.results.results_table`), sortable by any column, each cell's entries
     linking to its run's page.
 
-    `rows` are a sweep's result rows (done or skipped); `link_for_cell` maps a
+    `rows` are a sweep's result rows (done, skipped or failed); `link_for_cell` maps a
     row's cell (its dict of overrides) to a relative link, or None for no page.
     Returns the path."""
     fields, columns = swept_fields(rows), [metric, *extra]
@@ -372,5 +374,5 @@ def write_sweep_page(
         [_asset("sortable_table.js"), 'makeSortable(document.getElementById("results"));'],
     )
     path = pathlib.Path(path)
-    path.write_text(page, encoding="utf-8")
+    write_atomic(path, lambda f: f.write(page))  # a browser or copy never sees half a page
     return path

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +24,8 @@ from qkv_jax.studies.grid import apply_overrides, cell_name
 from qkv_jax.training.checkpoints import NoCheckpointError, read_params
 from qkv_jax.training.loop import seed_keys
 from qkv_jax.training.setup import build_setup
-from qkv_jax.training.workdir import write_json
+from qkv_jax.training.validate import ConfigError
+from qkv_jax.training.workdir import read_json, write_atomic, write_json
 
 __all__ = [
     "Study",
@@ -65,7 +65,7 @@ def write_study_results(workdir: pathlib.Path, results: dict, command: str, stud
     workdir = pathlib.Path(workdir)
     write_json(workdir / "results.json", record)
     markdown = [f"# {study.title}", "", f"Regenerate: `{command}`", "", *record["table"]]
-    (workdir / "results.md").write_text("\n".join(markdown) + "\n")
+    write_atomic(workdir / "results.md", lambda f: f.write("\n".join(markdown) + "\n"))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     study.plot(results, axes)
     fig.tight_layout()
@@ -76,7 +76,8 @@ def write_study_results(workdir: pathlib.Path, results: dict, command: str, stud
 
 def write_sweep_results(workdir: pathlib.Path, rows: list[dict], metric: str) -> None:
     """results.json, results.csv, results.md, results.html (each cell linking to its
-    cells/<cell>/report.html when `experiments.report` has written one) and the plots."""
+    cells/<cell>/report.html when `experiments.report` has written one) and the plots. Each
+    row has a status (done, skipped or failed) and, unless done, the reason."""
     write_json(workdir / "results.json", {"metric": metric, "rows": rows})
 
     def page(cell: dict) -> str | None:
@@ -89,8 +90,9 @@ def write_sweep_results(workdir: pathlib.Path, rows: list[dict], metric: str) ->
     header = fields + ["status", "reason", "num_seeds", "wall_time_s"]
     header += [f"{m}_{s}" for m in metrics for s in ("mean", "std", "min", "max")]
     header += [f"{metric}_per_seed"]
-    with open(workdir / "results.csv", "w", newline="") as f:
-        writer = csv.writer(f)
+
+    def write_csv(file: Any) -> None:
+        writer = csv.writer(file)
         writer.writerow(header)
         for row in rows:
             stats = [
@@ -108,7 +110,9 @@ def write_sweep_results(workdir: pathlib.Path, rows: list[dict], metric: str) ->
                 + stats
                 + [per_seed]
             )
-    (workdir / "results.md").write_text(results_table(rows, metric) + "\n")
+
+    write_atomic(workdir / "results.csv", write_csv)
+    write_atomic(workdir / "results.md", lambda f: f.write(results_table(rows, metric) + "\n"))
     plot_results(workdir, rows, metric)
 
 
@@ -125,7 +129,7 @@ def results_table(rows: list[dict], metric: str, extra: Sequence[str] = ()) -> s
     for row in rows:
         cells = [format_value(row["cell"].get(f, "")) for f in fields]
         if row["status"] != "done":
-            cells += [f"skipped: {row['reason']}"] + [""] * (len(columns) + 1)
+            cells += [f"{row['status']}: {row['reason']}"] + [""] * (len(columns) + 1)
         else:
             for column in columns:
                 s = row.get(f"{column}_stats")
@@ -190,8 +194,13 @@ def report_sweep(workdir: str | pathlib.Path, prompt: str | None = None) -> dict
     from qkv_jax.plots import plot_loss_curves
 
     workdir = pathlib.Path(workdir)
-    results = json.loads((workdir / "results.json").read_text())
-    sweep = json.loads((workdir / "sweep.json").read_text())
+    results = read_json(workdir / "results.json")
+    if results is None:
+        raise ConfigError(
+            f"workdir={str(workdir)!r}: no results.json yet (the sweep writes it once every cell is "
+            "finished); run the sweep's command to finish it"
+        )
+    sweep = read_json(workdir / "sweep.json")
     curves, pages = {}, 0
     for row in results["rows"]:
         if row["status"] == "done":

@@ -3,20 +3,32 @@
 A sweep workdir holds:
   sweep.json             the base config, the cells and the seeds (a re-run with
                          other settings is refused unless `overwrite`)
-  cells/<cell>.json      one finished cell; a re-run skips it
-  results.json / .csv    a row per cell: overrides, per-seed final loss and
-                         metrics, mean/std/min/max, wall time (or the reason a
-                         cell was skipped)
-  results.md             the table
+  cells/<cell>/          the cell's run (its seeds vmapped; checkpointed, resumable)
+  cells/<cell>.json      the cell's row once it is finished: done, skipped or failed
+  cells/<cell>.traceback.txt   the traceback of a cell that failed
+  results.json / .csv    a row per cell: overrides, status and reason, per-seed
+                         final loss and metrics, mean/std/min/max, wall time
+  results.md / .html     the table
   <metric>_vs_<field>.png, <metric>_heatmap.png
+
+A cell whose config the checks refuse (a ConfigError: heads that do not
+divide the width, say) is "skipped" with the reason; a cell that raises
+anything else (a task's build, its model's init or compile, a loss that stops
+being finite, too little memory) is "failed" with a one-line reason and its
+traceback kept, and the sweep goes on to the next cell. Once the launch has
+tried its cells it writes the results (when every cell has a row) and raises
+`CellsFailed` naming the failed ones; the same command retries the failed and
+unfinished cells and skips the rest. A signal (SIGTERM/SIGINT) stops the sweep
+as it stops a run: the running cell checkpoints and `Preempted` is raised; a
+second SIGINT (KeyboardInterrupt) or a full disk stops it at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -24,16 +36,53 @@ import numpy as np
 
 from qkv_jax.studies.grid import apply_overrides, cell_name, grid
 from qkv_jax.studies.results import write_sweep_results
-from qkv_jax.training.preemption import StopSignals
+from qkv_jax.training.preemption import Preempted, StopSignals
 from qkv_jax.training.run import train_seeds
-from qkv_jax.training.setup import build_setup, to_dict
+from qkv_jax.training.setup import TaskError, build_setup, to_dict
 from qkv_jax.training.validate import ConfigError
-from qkv_jax.training.workdir import WorkdirBusyError, WorkdirLock, prepare_workdir, write_json
+from qkv_jax.training.workdir import (
+    DiskFullError,
+    WorkdirBusyError,
+    WorkdirError,
+    WorkdirLock,
+    prepare_workdir,
+    read_json,
+    write_atomic,
+    write_json,
+)
 
-__all__ = ["LOSS_THRESHOLD", "run_sweep", "summarize"]
+__all__ = ["LOSS_THRESHOLD", "CellsFailed", "SweepStopped", "run_sweep", "summarize"]
 
 LOSS_THRESHOLD = 1e-2  # "converged" for the steps-to-threshold column
 SWEEP_OUTPUTS = ("sweep.json", "cells", "results.json", "results.csv", "results.md")
+
+
+class CellsFailed(RuntimeError):
+    """Cells of a sweep failed while the others trained. `failed`: their rows (status "failed",
+    a one-line reason, their traceback file); `rows`: every finished cell's row."""
+
+    def __init__(self, failed: list[dict], rows: list[dict], total: int, workdir: pathlib.Path):
+        named = [f"{cell_name(row['cell'])} ({row['reason']})" for row in failed[:3]]
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        super().__init__(
+            f"{len(failed)} of {total} cells failed: {'; '.join(named)}{more}; the tracebacks are in "
+            f"{workdir / 'cells'}; run the same command to retry them"
+        )
+        self.failed = failed
+        self.rows = rows
+
+
+class SweepStopped(Preempted):
+    """A signal arrived between two cells: the sweep stops before the next one."""
+
+    def __init__(self, signal_name: str, workdir: pathlib.Path):
+        Exception.__init__(
+            self,
+            f"stopped by {signal_name} between cells: the finished ones are kept in {workdir}; "
+            "run the same command to resume",
+        )
+        self.step = 0
+        self.signal_name = signal_name
 
 
 def _stats(values: Iterable[float]) -> dict[str, float]:
@@ -97,11 +146,13 @@ def run_sweep(
     index is i mod n); skips cells already finished, and cells another live process is
     training (each cell trains in cells/<name>/, which the trainer locks).
 
-    Invalid cells (the config check fails) are rows with status "skipped" and
-    the reason. `probe_for(setup)`, when given, makes each cell's probe (see
-    `train_seeds`); its values go into the row's "probes". Once every cell is
-    finished, whichever process finishes last writes the results files.
-    Returns the rows of the finished cells.
+    Cells the config check refuses are rows with status "skipped" and the reason; cells
+    that raise anything else are rows with status "failed", a one-line reason and their
+    traceback in cells/<name>.traceback.txt, and the next cell trains. `probe_for(setup)`,
+    when given, makes each cell's probe (see `train_seeds`); its values go into the row's
+    "probes". Once every cell has a row, whichever process finishes last writes the results
+    files. Returns the rows of the finished cells; raises CellsFailed (after the results are
+    written) when any of this launch's cells failed, Preempted when a signal stopped it.
     """
     base = to_dict(config)
     cells = grid(sweep)
@@ -122,10 +173,17 @@ def run_sweep(
     try:
         runner = _Cells(base, seeds, cell_dir, metric, stop, log, probe_for)
         for i in mine:
+            if stop.received is not None:
+                raise SweepStopped(stop.received, workdir)
             runner.run(cells[i], f"[{i + 1}/{len(cells)}]")
     finally:
         stop.restore()
-    return _collect_results(workdir, cells, metric, log)
+    rows = _collect_results(workdir, cells, metric, log)
+    names = {cell_name(cells[i]) for i in mine}
+    failed = [row for row in rows if row["status"] == "failed" and cell_name(row["cell"]) in names]
+    if failed:
+        raise CellsFailed(failed, rows, len(cells), workdir)
+    return rows
 
 
 @dataclasses.dataclass
@@ -142,33 +200,45 @@ class _Cells:
 
     def run(self, cell: dict, tag: str) -> None:
         """Trains `cell` into cells/<name>/ (resuming from its checkpoint) and writes its row to
-        cells/<name>.json, unless it is finished or another live process holds its lock."""
+        cells/<name>.json, unless it is finished (done or skipped) or another live process holds
+        its lock. A cell that failed before is tried again."""
         name = cell_name(cell)
         path = self.directory / f"{name}.json"
-        if path.exists():
+        previous = _read_row(path)
+        if previous is not None and previous["status"] != "failed":
             self.log(f"{tag} {name}: done before, skipped")
             return
+        if previous is not None:
+            self.log(f"{tag} {name}: failed before ({previous['reason']}), trying again")
         try:
             row = self.row(cell, tag)
         except WorkdirBusyError:  # the trainer holds each cell's workdir lock
             self.log(f"{tag} {name}: being trained by another process, left to it")
             return
+        if row["status"] != "failed":
+            (self.directory / f"{name}.traceback.txt").unlink(missing_ok=True)
         write_json(path, row)
 
     def row(self, cell: dict, tag: str) -> dict:
-        """The results row of a cell: trained over the seeds, or skipped with the config check's reason."""
-        name = cell_name(cell)
+        """The results row of a cell: trained over the seeds, skipped with the config check's
+        reason, or failed with what it raised (its traceback written beside the row)."""
+        name, stop = cell_name(cell), self.stop
         try:
             cell_config = apply_overrides(self.base, cell)
             setup = build_setup(cell_config)
+            probe = None if self.probe_for is None else self.probe_for(setup)
+            result = train_seeds(
+                cell_config, self.seeds, setup=setup, workdir=self.directory / name, stop=stop, probe=probe
+            )
+        except (Preempted, DiskFullError, WorkdirBusyError):
+            raise  # a signal, a full disk, another process: the sweep stops or leaves the cell
         except ConfigError as error:
-            self.log(f"{tag} {name}: skipped ({error})")
-            return {"cell": cell, "status": "skipped", "reason": str(error)}
-        probe = None if self.probe_for is None else self.probe_for(setup)
-        directory = self.directory / name
-        result = train_seeds(
-            cell_config, self.seeds, setup=setup, workdir=directory, stop=self.stop, probe=probe
-        )
+            if not isinstance(error, (TaskError, WorkdirError)):
+                self.log(f"{tag} {name}: skipped ({error})")
+                return {"cell": cell, "status": "skipped", "reason": str(error)}
+            return self.failed(cell, tag, error)
+        except Exception as error:  # noqa: BLE001 - one cell's failure is its row; the sweep goes on
+            return self.failed(cell, tag, error)
         row = summarize(cell, result)
         value = row.get(f"{self.metric}_stats", row["final_loss_stats"])["mean"]
         seconds = row["wall_time_s"]
@@ -177,11 +247,35 @@ class _Cells:
         )
         return row
 
+    def failed(self, cell: dict, tag: str, error: Exception) -> dict:
+        """The row of a cell that raised `error`; its traceback goes to cells/<name>.traceback.txt."""
+        name = cell_name(cell)
+        if isinstance(error, ConfigError):  # a TaskError or WorkdirError: it names the task or the file
+            reason = " ".join(str(error).split())
+        else:
+            lines = str(error).strip().splitlines()
+            reason = type(error).__name__ + (f": {lines[0]}" if lines else "")
+        path = self.directory / f"{name}.traceback.txt"
+        text = "".join(traceback.format_exception(error))
+        write_atomic(path, lambda f: f.write(text))
+        self.log(f"{tag} {name}: failed ({reason}); traceback in {path}")
+        return {"cell": cell, "status": "failed", "reason": reason, "traceback": str(path)}
+
+
+def _read_row(path: pathlib.Path) -> dict | None:
+    """A finished cell's row, or None when there is none (or it is damaged: the cell is run again,
+    its checkpoints make that quick)."""
+    try:
+        row = read_json(path)
+    except WorkdirError:
+        return None
+    return row if isinstance(row, dict) and "status" in row and "cell" in row else None
+
 
 def _collect_results(workdir: pathlib.Path, cells: list[dict], metric: str, log: Any) -> list[dict]:
     """The finished cells' rows; the results files once all are finished (one writer at a time)."""
     paths = [workdir / "cells" / f"{cell_name(cell)}.json" for cell in cells]
-    rows = [json.loads(path.read_text()) for path in paths if path.exists()]
+    rows = [row for row in map(_read_row, paths) if row is not None]
     if len(rows) < len(cells):
         log(f"{len(cells) - len(rows)} of {len(cells)} cells not finished yet; results when they are")
         return rows
