@@ -44,7 +44,8 @@ def main(argv):
     from qkv_jax.tasks.transformer import init_params
     from qkv_jax.training import read_params
 
-    like = jax.eval_shape(init_params, model, config["task"]["seq_len"], jax.random.PRNGKey(0))
+    seq_len = config["task"]["seq_len"]
+    like = jax.eval_shape(lambda key: init_params(model, seq_len, key), jax.random.PRNGKey(0))
     try:
         saved = read_params(FLAGS.workdir, like=like)
     except ValueError as error:

@@ -68,17 +68,18 @@ def main(argv):
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.studies.results import write_study_results
     from qkv_jax.training.setup import to_dict
+    from qkv_jax.training.workdir import make_workdir
 
     name, workdir = argv[1], pathlib.Path(FLAGS.workdir)
     study = STUDIES[name]
     module, variant = common.config_file_module()
-    options = {
-        "seeds": list(range(FLAGS.seeds)),
-        "pretrained": FLAGS.pretrained and pathlib.Path(FLAGS.pretrained),
-        "cells": module.get_sweep(variant) if hasattr(module, "get_sweep") else None,
-    }
-    workdir.mkdir(parents=True, exist_ok=True)
     with common.training_errors():
+        options = {
+            "seeds": list(range(FLAGS.seeds)),
+            "pretrained": FLAGS.pretrained and pathlib.Path(FLAGS.pretrained),
+            "cells": common.config_sweep(module, variant) if hasattr(module, "get_sweep") else None,
+        }
+        make_workdir(workdir)
         results = study.run(to_dict(FLAGS.config), workdir, options)
     command = "python -m experiments.study " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     record = write_study_results(workdir, results, command, study)

@@ -5,8 +5,12 @@ r"""Sweep a config over a grid of overrides, every cell over several seeds.
 
 The seeds of a cell train together in one compiled program (jax.vmap over the
 init and data keys). Without --sweep, the config file's `get_sweep(arg)` gives
-the grid. Re-running the same command skips finished cells; cells that fail
-the config check are reported as skipped with the reason.
+the grid. Cells that fail the config check are reported as skipped with the
+reason; a cell that raises anything else (its task's build, its model's init or
+compile, ...) is reported as failed with a one-line reason (the traceback is
+kept in cells/<cell>.traceback.txt) while the other cells train, and the
+launch then exits 1 naming the failed cells. Re-running the same command skips
+finished cells and retries the failed and unfinished ones.
 
 Many machines: start N launches with --shard 0/N ... --shard N-1/N on one
 (shared) workdir, e.g. a SLURM array (README, "Sweeps and studies"); each
@@ -44,7 +48,7 @@ common.define_common_flags()
 def main(argv):
     del argv  # run_main refuses positional arguments
     from qkv_jax.studies.grid import grid, parse_shard, parse_sweep_arg
-    from qkv_jax.studies.sweep import run_sweep
+    from qkv_jax.studies.sweep import CellsFailed, run_sweep
     from qkv_jax.training import ConfigError
     from qkv_jax.training.setup import to_dict
 
@@ -54,7 +58,7 @@ def main(argv):
         if FLAGS.sweep:
             sweep = dict(parse_sweep_arg(text, config) for text in FLAGS.sweep)
         elif hasattr(module, "get_sweep"):
-            sweep = module.get_sweep(arg)
+            sweep = common.config_sweep(module, arg)
         else:
             raise ConfigError("no --sweep given and the config file has no get_sweep()")
         if FLAGS.seeds <= 0:
@@ -62,20 +66,31 @@ def main(argv):
         metric = FLAGS.metric or getattr(module, "get_sweep_metric", lambda a: "final_loss")(arg)
         shard = parse_shard(FLAGS.shard)
         common.enable_compilation_cache(FLAGS.compilation_cache)
-        rows = run_sweep(
-            config,
-            FLAGS.workdir,
-            sweep,
-            list(range(FLAGS.seeds)),
-            metric=metric,
-            overwrite=config["train"]["overwrite"],
-            shard=shard,
-        )
-    results = pathlib.Path(FLAGS.workdir, "results.md")
-    if results.exists() and len(rows) == len(grid(sweep)):
-        done = sum(r["status"] == "done" for r in rows)
-        print(f"{done} of {len(rows)} cells done, {len(rows) - done} skipped; wrote {results}")
-        print(results.read_text())
+        failed = None
+        try:
+            rows = run_sweep(
+                config,
+                FLAGS.workdir,
+                sweep,
+                list(range(FLAGS.seeds)),
+                metric=metric,
+                overwrite=config["train"]["overwrite"],
+                shard=shard,
+                log=lambda line: print(line, flush=True),
+            )
+        except CellsFailed as error:
+            rows, failed = error.rows, error
+        results = pathlib.Path(FLAGS.workdir, "results.md")
+        if results.exists() and len(rows) == len(grid(sweep)):
+            statuses = [r["status"] for r in rows]
+            count = {status: statuses.count(status) for status in ("done", "skipped", "failed")}
+            print(
+                f"{count['done']} of {len(rows)} cells done, {count['skipped']} skipped, {count['failed']} "
+                f"failed; wrote {results}"
+            )
+            print(results.read_text())
+        if failed is not None:
+            raise failed
 
 
 if __name__ == "__main__":
