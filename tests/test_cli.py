@@ -211,11 +211,29 @@ def test_broken_task_modules(tmp_path, monkeypatch, kind):
     assert not (tmp_path / "w").exists()
 
 
+def run_as_user(*args):
+    """(exit code, error lines) of experiments.train with `args`, held to the files' mode bits: in this
+    process, or for root (who reads and writes anything) in a process without CAP_DAC_OVERRIDE."""
+    if os.geteuid() != 0:
+        result = launch_train(*args)
+        return result.code, result.error_lines
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    result = subprocess.run(
+        [*drop, sys.executable, "-m", "experiments.train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=launcher_env(),
+    )
+    return result.returncode, error_lines(result)
+
+
 @pytest.mark.reliability(
     "Config and command line",
-    "unknown config variant (`file.py:nope`, `file.py:a:b`); a config file without get_config() or whose "
-    "get_config() returns something else; missing or empty --workdir",
-    "exit 2 with one line naming the variant and the known ones / the file and what it lacks / the flag",
+    "unknown config variant (`file.py:nope`, `file.py:a:b`); a config file the user cannot read, one "
+    "without get_config() or whose get_config() returns something else; missing or empty --workdir",
+    "exit 2 with one line naming the variant and the known ones / the file and what is wrong / the flag",
 )
 def test_config_files_and_required_flags(tmp_path):
     for variant in ("nope", "a:b"):
@@ -231,6 +249,11 @@ def test_config_files_and_required_flags(tmp_path):
         (tmp_path / name).write_text(source)
         result = launch_train("--config", str(tmp_path / name), "--workdir", str(tmp_path / "w"))
         assert result.code == 2 and result.error_lines == [f"error: --config={tmp_path / name}: {expected}"]
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text((ROOT / CONFIG).read_text())
+    hidden.chmod(0)
+    expected = [f"error: --config={hidden}: not readable by this user"]
+    assert run_as_user("--config", str(hidden), "--workdir", str(tmp_path / "w")) == (2, expected)
     assert launch_train("--config", CONFIG).error_lines == ["error: --workdir is required"]
     empty = launch_train("--config", CONFIG, "--workdir=")
     assert empty.code == 2 and empty.error_lines == ["error: --workdir is required (and not empty)"]
@@ -257,16 +280,7 @@ def test_workdirs_that_cannot_be_written(tmp_path):
     locked = tmp_path / "read_only"
     locked.mkdir(mode=0o555)
     expected = [f"error: workdir='{locked / 'w'}': '{locked}' is not writable by this user"]
-    if os.geteuid() == 0:  # root writes anywhere: without CAP_DAC_OVERRIDE, it is held to the mode bits
-        result = subprocess.run(
-            ["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
-             "experiments.train", "--config", CONFIG, "--workdir", str(locked / "w")],
-            cwd=ROOT, capture_output=True, text=True, timeout=300, env=launcher_env(),
-        )  # fmt: skip
-        assert result.returncode == 2 and error_lines(result) == expected, result.stderr
-    else:
-        result = launch_train("--config", CONFIG, "--workdir", str(locked / "w"))
-        assert result.code == 2 and result.error_lines == expected
+    assert run_as_user("--config", CONFIG, "--workdir", str(locked / "w")) == (2, expected)
     assert list(locked.iterdir()) == []
     mount = tmp_path / "mount"
     mount.mkdir()
