@@ -6,8 +6,15 @@ as `qkv_jax.dot_product_attention`, one tile of `block_q` query positions by
 normaliser and output accumulator, rescaled as key blocks arrive (Milakov &
 Gimelshein 2018; Dao et al. 2022). The forward pass saves only the output and
 the row log-sum-exp; the backward pass recomputes each tile of attention
-weights from them. With `is_causal`, the loops stop at the diagonal: key
-blocks above it are never computed.
+weights from them.
+
+Tiles that no query of a block may attend are never computed, forward or
+backward: the loops of both passes run over the key blocks (query blocks)
+that the causal triangle and a local window, both shifted by the query
+offset, leave within reach, and that the sequence lengths do not pad out.
+With a window of w keys the cost grows as T x (w + block), not T x S. With
+segment ids, a tile whose query block and key block share no segment id is
+skipped by a conditional (its blocks' ranges of ids do not overlap).
 
 Memory is what makes this fast on a CPU. Every buffer a tile needs (logits,
 weights, the tile's copies of Q, K, V) is O(batch x heads x block_q x block_k),
@@ -30,11 +37,16 @@ speed. A dot on a slice of `[B, S, K, H]` needs a transposing copy of that
 slice anyway, so K and V are copied tile by tile from the caller's layout,
 never as a whole; the backward pass copies each key block once (it is the
 outer loop) and the output gradient once for all. Every dot, forward and
-backward, takes the call's `precision`. Sequence lengths mask each tile as it
-is computed. The kernel runs inside `shard_map` (its loop carries take the
-mesh axes the inputs vary along): on a CPU that is how a program with several
-CPU devices (`jax_num_cpu_devices`) runs attention on all its cores at once,
-split over heads or batch.
+backward, takes the call's `precision`. Sequence lengths, offsets and segment
+ids mask each tile as it is computed. The kernel runs inside `shard_map` (its
+loop carries take the mesh axes the inputs vary along): on a CPU that is how a
+program with several CPU devices (`jax_num_cpu_devices`) runs attention on all
+its cores at once, split over heads or batch.
+
+Sinks (one logit per head that takes softmax mass and has no value) start each
+row's running maximum and normaliser, so a row that sees no key ends with all
+its mass on the sink. A soft cap `c * tanh(logits / c)` is applied to each
+tile's biased logits before masking, and its slope recomputed backward.
 
 Non-finite keys and values behave as in the reference path. A key with a
 non-finite entry becomes NaN before the matmul, so its logit column is NaN
@@ -55,6 +67,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -83,7 +96,9 @@ def _power_of_two_at_most(x: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
 
 
-def block_sizes(batch_heads: int, T: int, S: int, *, backward: bool = False) -> tuple[int, int]:
+def block_sizes(
+    batch_heads: int, T: int, S: int, *, backward: bool = False, key_span: int | None = None
+) -> tuple[int, int]:
     """Default `(block_q, block_k)` for `batch_heads` = batch x query heads.
 
     `KEY_BLOCK` keys (`BACKWARD_KEY_BLOCK` for the backward pass) by as many
@@ -93,28 +108,68 @@ def block_sizes(batch_heads: int, T: int, S: int, *, backward: bool = False) -> 
     budget. Both are clipped to T and S. A problem of at most `2 * TILE_ELEMENTS` logits in all
     is one tile in both passes: the loops' overhead then costs more than the
     cache misses (at 8 MiB of logits: 0.83x the time of the tiled backward).
+
+    `key_span`, the most keys one query may see (a local window's width), caps
+    both blocks at half of it (a power of two, at least `MIN_BLOCK`): a query
+    block then reads about `key_span / block_k + 2` key blocks, so a tile mostly
+    holds pairs the window allows.
     """
     if batch_heads * T * S <= 2 * TILE_ELEMENTS:
         return T, S
     elements = TILE_ELEMENTS / max(batch_heads, 1)
-    block_k = min(BACKWARD_KEY_BLOCK if backward else KEY_BLOCK, S)
-    block_q = min(max(_power_of_two_at_most(elements / block_k), MIN_BLOCK), MAX_BLOCK, T)
-    if block_q in (T, MAX_BLOCK):
-        block_k = min(max(_power_of_two_at_most(elements / block_q), block_k), MAX_BLOCK, S)
+    cap = MAX_BLOCK
+    if key_span is not None and key_span < S:
+        cap = min(MAX_BLOCK, max(MIN_BLOCK, _power_of_two_at_most(key_span / 2)))
+    block_k = min(BACKWARD_KEY_BLOCK if backward else KEY_BLOCK, S, cap)
+    block_q = min(max(_power_of_two_at_most(elements / block_k), MIN_BLOCK), cap, T)
+    if block_q in (T, cap):
+        block_k = min(max(_power_of_two_at_most(elements / block_q), block_k), cap, S)
     return block_q, block_k
 
 
+def window_pair(local_window_size: Any, owner: str) -> tuple[int, int] | None:
+    """`local_window_size` as jax.nn reads it: None, an int w (= (w, w)) or (left, right).
+
+    Query t (at key position t + offset) may attend key s when
+    `t + offset - left <= s <= t + offset + right`. Raises naming `owner` otherwise.
+    """
+    if local_window_size is None:
+        return None
+    pair = (local_window_size,) * 2 if np.ndim(local_window_size) == 0 else tuple(local_window_size)
+    if len(pair) != 2 or not all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in pair
+    ):
+        raise TypeError(
+            f"{owner}: local_window_size must be None, an int or a pair of ints (left, right), "
+            f"got {local_window_size!r}"
+        )
+    return int(pair[0]), int(pair[1])
+
+
 class _Masking(NamedTuple):
-    """What may be attended besides causality: a mask tiled as the logits, and lengths."""
+    """What may be attended besides causality and the window: a mask tiled as the logits,
+    lengths, the query offset and segment ids."""
 
     mask: Array | None  # (B|1, K|1, T|1, G|1, S|1) bool
     query_lengths: Array | None  # (B,) int: rows t >= length are padding
     key_lengths: Array | None  # (B,) int: keys s >= length are never attended
+    offset: Array  # (B|1,) int32: the key position of query 0
+    query_segments: Array | None  # (B, T) int: query t sees key s only where the ids are equal
+    key_segments: Array | None  # (B, S) int
+
+
+class _Reach(NamedTuple):
+    """Scalars that bound the tiles any batch element needs (from `_Masking`)."""
+
+    offset_min: Array
+    offset_max: Array
+    query_end: Array  # rows from here on are padding in every batch element
+    key_end: Array  # keys from here on are padding in every batch element
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tiling:
-    """Static facts of one call: lengths, heads, block sizes, dtype, precision."""
+    """Static facts of one call: lengths, heads, block sizes, what masks, dtype, precision."""
 
     T: int
     S: int
@@ -123,6 +178,8 @@ class _Tiling:
     block_q: int
     block_k: int
     is_causal: bool
+    window: tuple[int, int] | None  # (left, right) keys around each query's position
+    soft_cap: float | None
     dtype: jnp.dtype  # of logits, softmax, accumulators and every dot's operands
     precision: Any = None  # of every dot (flax's PrecisionLike)
     backward_blocks: tuple[int, int] | None = None  # (block_q, block_k) of the backward pass
@@ -144,25 +201,58 @@ class _Tiling:
 
     def query_start(self, i: Array) -> Array:
         """First row of query block i; the last block ends at T (it may overlap block i - 1)."""
-        return jnp.minimum(i * self.block_q, self.T - self.block_q)
+        return jnp.minimum(i * self.block_q, self.T - self.block_q).astype(jnp.int32)
 
     def key_start(self, j: Array) -> Array:
         """First key of key block j; the last block ends at S (it may overlap block j - 1)."""
-        return jnp.minimum(j * self.block_k, self.S - self.block_k)
+        return jnp.minimum(j * self.block_k, self.S - self.block_k).astype(jnp.int32)
 
-    def key_blocks_for(self, i: Array) -> Array | int:
-        """How many key blocks query block i reads: all, or up to the diagonal."""
-        if not self.is_causal:
-            return self.num_key_blocks
-        last_key = self.query_start(i) + self.block_q - 1 + (self.S - self.T)  # its last row's last key
-        return jnp.clip(last_key // self.block_k + 1, 0, self.num_key_blocks)
+    def key_block_range(self, i: Array, reach: _Reach) -> tuple[Array, Array]:
+        """Key blocks `[lo, hi)` that query block i reads (forward): those holding a key that
+        some row of the block may see under the causal triangle, the window and the lengths.
+        Key block j holds keys `j * block_k` up to the next block's first."""
+        start = self.query_start(i)
+        end = start + self.block_q - 1  # the block's last row
+        first_key = jnp.zeros((), jnp.int32)
+        last_key = reach.key_end - 1
+        if self.is_causal:
+            last_key = jnp.minimum(last_key, end + reach.offset_max)
+        if self.window is not None:
+            left, right = self.window
+            first_key = start + reach.offset_min - left
+            last_key = jnp.minimum(last_key, end + reach.offset_max + right)
+        last_key = jnp.where(start < reach.query_end, last_key, -1)  # a block of padding reads none
+        lo = jnp.clip(first_key // self.block_k, 0, self.num_key_blocks).astype(jnp.int32)
+        return lo, jnp.clip(last_key // self.block_k + 1, lo, self.num_key_blocks).astype(jnp.int32)
 
-    def first_query_block_for(self, j: Array) -> Array | int:
-        """The first query block that reads key block j (0 unless causal)."""
-        if not self.is_causal:
-            return 0
-        first_row = j * self.block_k - (self.S - self.T)  # the first row allowed key j * block_k
-        return jnp.clip(first_row // self.block_q, 0, self.num_query_blocks)
+    def query_block_range(self, j: Array, reach: _Reach) -> tuple[Array, Array]:
+        """Query blocks `[lo, hi)` that read key block j (backward, where query block i holds
+        rows `i * block_q` up to the next block's first)."""
+        first_key = j * self.block_k
+        last_key = jnp.minimum(first_key + self.block_k, self.S) - 1
+        first_row = jnp.zeros((), jnp.int32)
+        last_row = reach.query_end - 1
+        if self.is_causal:
+            first_row = first_key - reach.offset_max
+        if self.window is not None:
+            left, right = self.window
+            first_row = jnp.maximum(first_row, first_key - reach.offset_max - right)
+            last_row = jnp.minimum(last_row, last_key + left - reach.offset_min)
+        last_row = jnp.where(first_key < reach.key_end, last_row, -1)  # a block of padding: none
+        lo = jnp.clip(first_row // self.block_q, 0, self.num_query_blocks).astype(jnp.int32)
+        return lo, jnp.clip(last_row // self.block_q + 1, lo, self.num_query_blocks).astype(jnp.int32)
+
+
+def _reach(tiling: _Tiling, masking: _Masking) -> _Reach:
+    def most(lengths, limit):
+        return jnp.asarray(limit, jnp.int32) if lengths is None else jnp.max(lengths).astype(jnp.int32)
+
+    return _Reach(
+        jnp.min(masking.offset),
+        jnp.max(masking.offset),
+        most(masking.query_lengths, tiling.T),
+        most(masking.key_lengths, tiling.S),
+    )
 
 
 def _block(x: Array, axis: int, start: Array, size: int) -> Array:
@@ -213,6 +303,7 @@ def _add_at(x: Array, update: Array, start: Array, axis: int) -> Array:
 
 
 def _and(a: Array | None, b: Array) -> Array:
+    """`a & b` for boolean tiles of equal rank (4: batch, kv heads, rows, keys)."""
     return b if a is None else a & b
 
 
@@ -226,20 +317,43 @@ def _carry_zero(dtype, *arrays: Any) -> Array:
     return zero
 
 
+def _positional(tiling: _Tiling, masking: _Masking, start: Array, key_start: Array) -> Array | None:
+    """Causal triangle, window and segment ids on the tile at (start, key_start),
+    `[B|1, 1, bq*G, bk]`, or None. Query t sits at key position t + offset."""
+    allowed = None
+    rows = _row_positions(tiling, start)  # (bq*G,)
+    keys = (key_start + jnp.arange(tiling.block_k))[None, None, None, :]  # (1, 1, 1, bk)
+    position = rows[None, :] + masking.offset[:, None]  # (B|1, bq*G): each row's key position
+    position = position[:, None, :, None]  # (B|1, 1, bq*G, 1)
+    if tiling.is_causal:
+        allowed = _and(allowed, keys <= position)
+    if tiling.window is not None:
+        left, right = tiling.window
+        allowed = _and(allowed, (keys >= position - left) & (keys <= position + right))
+    query_segments, key_segments = masking.query_segments, masking.key_segments
+    if query_segments is not None and key_segments is not None:
+        row_ids = lax.dynamic_slice_in_dim(query_segments, start, tiling.block_q, axis=1)  # (B, bq)
+        row_ids = jnp.repeat(row_ids, tiling.G, axis=1)  # (B, bq*G)
+        key_ids = lax.dynamic_slice_in_dim(key_segments, key_start, tiling.block_k, axis=1)  # (B, bk)
+        allowed = _and(allowed, row_ids[:, None, :, None] == key_ids[:, None, None, :])
+    return allowed
+
+
 def _allowed(tiling: _Tiling, masking: _Masking, start: Array, key_start: Array, i, j, backward: bool):
-    """Which entries of tile (i, j) may be attended, broadcastable to `[B, K, bq*G, bk]`, or None.
+    """Which entries of tile (i, j) may be attended, `[B|1, K|1, bq*G|1, bk|1]`, or None.
 
     The tile's queries start at `start`, its keys at `key_start`. Forbidden:
-    the mask, the causal triangle, padding by lengths, and the keys a last key
-    block repeats from its predecessor; in the backward pass also the repeated
-    rows of a last query block (the forward pass recomputes them to the same
-    values).
+    the mask, the causal triangle, the window, segment ids that differ,
+    padding by lengths, and the keys a last key block repeats from its
+    predecessor; in the backward pass also the repeated rows of a last query
+    block (the forward pass recomputes them to the same values).
     """
     rows = _row_positions(tiling, start)  # (bq*G,)
     keys = key_start + jnp.arange(tiling.block_k)  # (bk,)
     allowed = None if masking.mask is None else _tile_of(masking.mask, tiling, start, key_start)
-    if tiling.is_causal:
-        allowed = _and(allowed, keys[None, :] <= rows[:, None] + (tiling.S - tiling.T))  # (bq*G, bk)
+    positional = _positional(tiling, masking, start, key_start)
+    if positional is not None:
+        allowed = _and(allowed, positional)
     if masking.key_lengths is not None:
         key_valid = keys[None, :] < masking.key_lengths[:, None]  # (B, bk)
         allowed = _and(allowed, key_valid[:, None, None, :])
@@ -247,14 +361,36 @@ def _allowed(tiling: _Tiling, masking: _Masking, start: Array, key_start: Array,
         row_valid = rows[None, :] < masking.query_lengths[:, None]  # (B, bq*G)
         allowed = _and(allowed, row_valid[:, None, :, None])
     if tiling.S % tiling.block_k:
-        allowed = _and(allowed, keys >= j * tiling.block_k)  # (bk,)
+        allowed = _and(allowed, (keys >= j * tiling.block_k)[None, None, None, :])  # (1, 1, 1, bk)
     if backward and tiling.T % tiling.block_q:
-        allowed = _and(allowed, rows[:, None] >= i * tiling.block_q)  # (bq*G, 1)
+        allowed = _and(allowed, (rows >= i * tiling.block_q)[None, None, :, None])  # (1, 1, bq*G, 1)
     return allowed
 
 
+def _shares_a_segment(segments: tuple[Array, Array], tiling: _Tiling, start: Array, key_start: Array):
+    """Whether the query block at `start` and the key block at `key_start` may hold equal
+    segment ids in some batch element: their ranges of ids overlap. Exact for ids that
+    do not decrease along the sequence (packed sequences); never False where ids match."""
+    query_ids = lax.dynamic_slice_in_dim(segments[0], start, tiling.block_q, axis=1)  # (B, bq)
+    key_ids = lax.dynamic_slice_in_dim(segments[1], key_start, tiling.block_k, axis=1)  # (B, bk)
+    overlap = (jnp.min(query_ids, axis=1) <= jnp.max(key_ids, axis=1)) & (
+        jnp.min(key_ids, axis=1) <= jnp.max(query_ids, axis=1)
+    )  # (B,)
+    return jnp.any(overlap)
+
+
+def _unless_segments_differ(masking: _Masking, tiling: _Tiling, i: Array, j: Array, tile, state):
+    """`tile(state)`, or `state` unchanged where tile (i, j) shares no segment id (lax.cond)."""
+    if masking.query_segments is None or masking.key_segments is None:
+        return tile(state)
+    segments = (masking.query_segments, masking.key_segments)
+    shares = _shares_a_segment(segments, tiling, tiling.query_start(i), tiling.key_start(j))
+    return lax.cond(shares, tile, lambda state: state, state)
+
+
 def _tile_logits(tiling: _Tiling, query_rows, key_block, masking, bias, scale, i, j, backward=False):
-    """Biased, masked logits `[B, K, bq*G, bk]` of tile (i, j), times `scale` when given.
+    """Biased, soft-capped, masked logits `[B, K, bq*G, bk]` of tile (i, j), times `scale`
+    when given, and the soft cap's slope there (zero where masked; None without a cap).
 
     query_rows `[B, K, bq*G, H]`, key_block `[B, K, bk, H]`; -inf where not allowed.
     """
@@ -266,25 +402,32 @@ def _tile_logits(tiling: _Tiling, query_rows, key_block, masking, bias, scale, i
     start, key_start = tiling.query_start(i), tiling.key_start(j)
     if bias is not None:
         logits = logits + _tile_of(bias, tiling, start, key_start)
+    slope = None
+    if tiling.soft_cap is not None:
+        capped = jnp.tanh(logits / tiling.soft_cap)
+        logits, slope = tiling.soft_cap * capped, 1.0 - capped * capped
     allowed = _allowed(tiling, masking, start, key_start, i, j, backward)
-    return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    if allowed is None:
+        return logits, slope
+    return jnp.where(allowed, logits, -jnp.inf), None if slope is None else jnp.where(allowed, slope, 0.0)
 
 
-def _poisoned(output_rows, tiling: _Tiling, value, finite_values, masking, bias, i, zero):
+def _poisoned(output_rows, tiling: _Tiling, value, finite_values, masking, bias, i, key_range, zero):
     """Query block i's output rows `[B, K, bq*G, Hv]`, NaN where a row attends a non-finite value.
 
     `value` is the caller's `[B, S, K, Hv]`, `finite_values` whether all of it
-    is finite (then nothing runs), `zero` the loops' `_carry_zero`. A (row, key) pair is attended where
-    the masking and the bias allow it; a bad value there makes the row's
-    channel NaN. Each key block costs a product of the allowed pairs with an
-    indicator of bad values.
+    is finite (then nothing runs), `key_range` the key blocks the block reads,
+    `zero` the loops' `_carry_zero`. A (row, key) pair is attended where the
+    masking and the bias allow it; a bad value there makes the row's channel
+    NaN. Each key block costs a product of the allowed pairs with an indicator
+    of bad values.
     """
     B, K, rows, Hv = output_rows.shape
 
     def key_step(j, reached):
         key_start = tiling.key_start(j)
         allowed = _allowed(tiling, masking, tiling.query_start(i), key_start, i, j, backward=False)
-        allowed = jnp.ones((), jnp.bool_) if allowed is None else allowed
+        allowed = jnp.ones((1, 1, 1, 1), jnp.bool_) if allowed is None else allowed
         if bias is not None:
             allowed = allowed & (_tile_of(bias, tiling, tiling.query_start(i), key_start) > -jnp.inf)
         allowed = jnp.broadcast_to(allowed, (B, K, rows, tiling.block_k)).astype(tiling.dtype)
@@ -293,9 +436,8 @@ def _poisoned(output_rows, tiling: _Tiling, value, finite_values, masking, bias,
         return reached + jnp.einsum("bkrc,bkch->bkrh", allowed, bad, precision=tiling.precision)
 
     def mark(output_rows):
-        reached = lax.fori_loop(
-            0, tiling.key_blocks_for(i), key_step, jnp.zeros(output_rows.shape, tiling.dtype) + zero
-        )
+        first, last = key_range
+        reached = lax.fori_loop(first, last, key_step, jnp.zeros(output_rows.shape, tiling.dtype) + zero)
         return jnp.where(reached > 0, jnp.nan, output_rows)
 
     return lax.cond(finite_values, lambda rows: rows, mark, output_rows)
@@ -316,8 +458,27 @@ def _key_block(key: Array, value: Array, key_start: Array, tiling: _Tiling, zero
     )
 
 
-def _forward(tiling: _Tiling, query, key, value, masking, bias, scale):
-    """Output `[B, T, N, Hv]` (NaN where a bad value is attended) and log-sum-exp `[B, K, T*G]`.
+def _sink_rows(sinks: Array | None, tiling: _Tiling, rows: int) -> Array | None:
+    """Sinks `[B|1, K, G]` as the logit of each of `rows` kernel rows, `[B|1, K, rows]`."""
+    if sinks is None:
+        return None
+    return jnp.tile(sinks, (1, 1, rows // tiling.G))  # row t * G + g has sink g
+
+
+def _initial_state(sink_rows: Array | None, shape: tuple[int, ...], Hv: int, dtype, zero):
+    """A query block's running (maximum, normaliser, accumulator) before any key block:
+    -inf, 0, 0; with sinks, the sink's logit and exp(0) = 1 (0 for a -inf sink)."""
+    if sink_rows is None:
+        row_max, normaliser = jnp.full(shape, -jnp.inf, dtype), jnp.zeros(shape, dtype)
+    else:
+        row_max = jnp.broadcast_to(sink_rows, shape).astype(dtype)
+        normaliser = (row_max > -jnp.inf).astype(dtype)
+    return row_max + zero, normaliser + zero, jnp.zeros((*shape, Hv), dtype) + zero
+
+
+def _forward(tiling: _Tiling, query, key, value, masking, bias, sinks, scale):
+    """Output `[B, T, N, Hv]` (NaN where a bad value is attended) and log-sum-exp `[B, K, T*G]`
+    (-inf for a row that attends nothing, the sink included).
 
     For query block i (outer loop) and each key block j it reads (inner loop):
     logits, then the running maximum m, normaliser l and accumulator o become
@@ -328,8 +489,10 @@ def _forward(tiling: _Tiling, query, key, value, masking, bias, scale):
     Hv = value.shape[-1]
     K, G, bq, dtype = tiling.K, tiling.G, tiling.block_q, tiling.dtype
     rows = G * bq
-    zero = _carry_zero(dtype, query, key, value, masking, bias, scale)
+    zero = _carry_zero(dtype, query, key, value, masking, bias, sinks, scale)
     finite_values = jnp.max(jnp.abs(value)) < jnp.inf  # a NaN max is not; fuses, unlike jnp.all(isfinite)
+    reach = _reach(tiling, masking)
+    sink_rows = _sink_rows(sinks, tiling, rows)  # (B|1, K, bq*G)
 
     def query_block(i, carry):
         output, log_sum_exp = carry
@@ -338,34 +501,34 @@ def _forward(tiling: _Tiling, query, key, value, masking, bias, scale):
         query_rows = _to_rows(query_i, tiling, dtype) * scale  # (B, K, bq*G, H), scaled
 
         def key_step(j, state):
-            row_max, normaliser, accumulator = state
-            key_j, value_j = _key_block(key, value, tiling.key_start(j), tiling)  # (B, K, bk, H|Hv)
-            logits = _tile_logits(tiling, query_rows, key_j, masking, bias, None, i, j)  # (B, K, bq*G, bk)
-            new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))  # (B, K, bq*G)
-            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite, for all-masked rows
-            weights = jnp.exp(logits - shift[..., None])  # (B, K, bq*G, bk)
-            rescale = jnp.exp(row_max - shift)  # (B, K, bq*G)
-            blended = jnp.einsum(
-                "bkrc,bkch->bkrh", weights, value_j, precision=tiling.precision
-            )  # (B, K, bq*G, Hv)
-            return (
-                new_max,
-                normaliser * rescale + jnp.sum(weights, axis=-1),
-                accumulator * rescale[..., None] + blended,
-            )
+            def tile(state):
+                row_max, normaliser, accumulator = state
+                key_j, value_j = _key_block(key, value, tiling.key_start(j), tiling)  # (B, K, bk, H|Hv)
+                logits, _ = _tile_logits(tiling, query_rows, key_j, masking, bias, None, i, j)
+                new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))  # (B, K, bq*G)
+                shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite, for all-masked rows
+                weights = jnp.exp(logits - shift[..., None])  # (B, K, bq*G, bk)
+                rescale = jnp.exp(row_max - shift)  # (B, K, bq*G)
+                blended = jnp.einsum(
+                    "bkrc,bkch->bkrh", weights, value_j, precision=tiling.precision
+                )  # (B, K, bq*G, Hv)
+                return (
+                    new_max,
+                    normaliser * rescale + jnp.sum(weights, axis=-1),
+                    accumulator * rescale[..., None] + blended,
+                )
 
-        init = (
-            jnp.full((B, K, rows), -jnp.inf, dtype) + zero,
-            jnp.zeros((B, K, rows), dtype) + zero,
-            jnp.zeros((B, K, rows, Hv), dtype) + zero,
-        )
-        row_max, normaliser, accumulator = lax.fori_loop(0, tiling.key_blocks_for(i), key_step, init)
-        has_keys = normaliser > 0
-        output_i = accumulator / jnp.where(has_keys, normaliser, 1.0)[..., None]  # (B, K, bq*G, Hv)
+            return _unless_segments_differ(masking, tiling, i, j, tile, state)
+
+        key_range = tiling.key_block_range(i, reach)
+        init = _initial_state(sink_rows, (B, K, rows), Hv, dtype, zero)
+        row_max, normaliser, accumulator = lax.fori_loop(key_range[0], key_range[1], key_step, init)
+        has_mass = normaliser > 0
+        output_i = accumulator / jnp.where(has_mass, normaliser, 1.0)[..., None]  # (B, K, bq*G, Hv)
         output_i = _from_rows(
-            _poisoned(output_i, tiling, value, finite_values, masking, bias, i, zero), tiling
+            _poisoned(output_i, tiling, value, finite_values, masking, bias, i, key_range, zero), tiling
         )  # (B, bq, N, Hv)
-        log_sum_exp_i = jnp.where(has_keys, row_max + jnp.log(normaliser), 0.0)  # 0 for rows with no key
+        log_sum_exp_i = jnp.where(has_mass, row_max + jnp.log(normaliser), -jnp.inf)  # (B, K, bq*G)
         return (
             lax.dynamic_update_slice_in_dim(output, output_i, start, axis=1),
             lax.dynamic_update_slice_in_dim(log_sum_exp, log_sum_exp_i, start * G, axis=2),
@@ -376,14 +539,16 @@ def _forward(tiling: _Tiling, query, key, value, masking, bias, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(tiling: _Tiling, query, key, value, masking, bias, scale):
-    """Output `[B, T, N, Hv]` in `tiling.dtype`."""
-    return _forward(tiling, query, key, value, masking, bias, scale)[0]
+def _attention(tiling: _Tiling, query, key, value, masking, bias, sinks, scale):
+    """Output `[B, T, N, Hv]` and log-sum-exp `[B, K, T*G]` in `tiling.dtype`; the
+    log-sum-exp passes no gradient (as jax.nn's residual)."""
+    return _forward(tiling, query, key, value, masking, bias, sinks, scale)
 
 
-def _attention_fwd(tiling: _Tiling, query, key, value, masking, bias, scale):
-    output, log_sum_exp = _forward(tiling, query, key, value, masking, bias, scale)
-    return output, (query, key, value, masking, bias, scale, output, log_sum_exp)
+def _attention_fwd(tiling: _Tiling, query, key, value, masking, bias, sinks, scale):
+    output, log_sum_exp = _forward(tiling, query, key, value, masking, bias, sinks, scale)
+    residuals = (query, key, value, masking, bias, sinks, scale, output, log_sum_exp)
+    return (output, log_sum_exp), residuals
 
 
 def _bias_grad_add(bias_grad: Array, logits_grad: Array, start: Array, key_start: Array, tiling: _Tiling):
@@ -393,7 +558,14 @@ def _bias_grad_add(bias_grad: Array, logits_grad: Array, start: Array, key_start
     logits_grad = logits_grad.reshape(B, K, tiling.block_q, tiling.G, keys)  # (B, K, bq, G, bk)
     broadcast = tuple(a for a in range(5) if bias_grad.shape[a] == 1 and logits_grad.shape[a] > 1)
     tile = jnp.sum(logits_grad, axis=broadcast, keepdims=True)  # (B|1, K|1, bq|1, G|1, bk|1)
-    corner = (0, 0, start if bias_grad.shape[2] > 1 else 0, 0, key_start if bias_grad.shape[4] > 1 else 0)
+    zero = np.int32(0)  # every index int32, as `start` and `key_start`
+    corner = (
+        zero,
+        zero,
+        start if bias_grad.shape[2] > 1 else zero,
+        zero,
+        key_start if bias_grad.shape[4] > 1 else zero,
+    )
     current = lax.dynamic_slice(bias_grad, corner, tile.shape)
     return lax.dynamic_update_slice(bias_grad, current + tile, corner)
 
@@ -413,17 +585,31 @@ def _row_dot(output_grad: Array, output: Array) -> Array:
     )
 
 
-def _attention_bwd(tiling: _Tiling, residuals, output_grad):
+def _sinks_grad(sinks: Array, log_sum_exp: Array, row_dot: Array, tiling: _Tiling) -> Array:
+    """d loss / d sinks `[B|1, K, G]`. A sink of weight p = exp(sink - lse) in a row gives
+    d out / d sink = -p out (it takes mass from every key alike), so the gradient is
+    -sum over the rows of p * D, D = rowsum(dO * O) (`row_dot` `[B, K, T*G, 1]`)."""
+    B, K, rows = log_sum_exp.shape
+    log_sum_exp = log_sum_exp.reshape(B, K, rows // tiling.G, tiling.G)  # (B, K, T, G)
+    sink = sinks[:, :, None, :]  # (B|1, K, 1, G)
+    weight = jnp.where(log_sum_exp > -jnp.inf, jnp.exp(sink - log_sum_exp), 0.0)  # (B, K, T, G)
+    grad = -jnp.sum(weight * row_dot.reshape(B, K, rows // tiling.G, tiling.G), axis=2)  # (B, K, G)
+    return jnp.sum(grad, axis=0, keepdims=True) if sinks.shape[0] == 1 else grad
+
+
+def _attention_bwd(tiling: _Tiling, residuals, cotangents):
     """Recomputes each tile's weights from the saved log-sum-exp (FlashAttention-2).
 
     For key block j (outer loop) and each query block i that reads it (inner
     loop): P = exp(logits - lse), dV_j += P^T dO_i, dS = P * (dO_i V_j^T - D_i)
-    with D = rowsum(dO * O), dQ_i += dS K_j scale, dK_j += dS^T Q_i scale,
-    dBias_ij = dS. dK_j and dV_j accumulate transposed, `[B, K, H, bk]`: XLA runs
+    with D = rowsum(dO * O) (times the soft cap's slope), dQ_i += dS K_j scale,
+    dK_j += dS^T Q_i scale, dBias_ij = dS; a sink's gradient comes from lse and
+    D alone. dK_j and dV_j accumulate transposed, `[B, K, H, bk]`: XLA runs
     Q^T dS as a faster CPU dot than dS^T Q. An output entry that is NaN passes
-    no gradient.
+    no gradient, and the log-sum-exp's cotangent is ignored.
     """
-    query, key, value, masking, bias, scale, output, log_sum_exp = residuals
+    query, key, value, masking, bias, sinks, scale, output, log_sum_exp = residuals
+    output_grad, _ = cotangents
     tiling = tiling.for_backward()
     dtype, precision = tiling.dtype, tiling.precision
     B, T, _, H = query.shape
@@ -433,8 +619,10 @@ def _attention_bwd(tiling: _Tiling, residuals, output_grad):
     row_dot = _to_rows(_row_dot(output_grad, output), tiling, dtype)  # D: (B, K, T*G, 1)
     output_grad = jnp.where(jnp.isnan(output), 0.0, output_grad)  # (B, T, N, Hv), fused into the copy
     output_grad_rows = _to_rows(output_grad, tiling, dtype)  # (B, K, T*G, Hv)
+    finite_lse = jnp.where(log_sum_exp > -jnp.inf, log_sum_exp, 0.0)  # rows with no mass: weights 0
     dot = functools.partial(jnp.einsum, precision=precision)
     zero = _carry_zero(dtype, residuals, output_grad)
+    reach = _reach(tiling, masking)
 
     def key_block(j, carry):
         query_grad, key_grad, value_grad, bias_grad, scale_grad = carry
@@ -443,22 +631,29 @@ def _attention_bwd(tiling: _Tiling, residuals, output_grad):
         key_zero_j, _ = _key_block(key, value, key_start, tiling, zero_keys=True)
 
         def query_step(i, grads):
-            query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = grads
-            start = tiling.query_start(i)
-            query_i = _to_rows(lax.dynamic_slice_in_dim(query, start, bq, axis=1), tiling, dtype)
-            output_grad_i = _rows_of(output_grad_rows, tiling, start)  # (B, K, bq*G, Hv)
-            logits = _tile_logits(tiling, query_i, key_nan_j, masking, bias, scale, i, j, backward=True)
-            weights = jnp.exp(logits - _rows_of(log_sum_exp, tiling, start)[..., None])  # (B, K, bq*G, bk)
-            value_grad_j += dot("bkrh,bkrc->bkhc", output_grad_i, weights)  # (B, K, Hv, bk)
-            weights_grad = dot("bkrh,bkch->bkrc", output_grad_i, value_j)  # (B, K, bq*G, bk)
-            logits_grad = weights * (weights_grad - _rows_of(row_dot, tiling, start))  # dS: (B, K, bq*G, bk)
-            query_grad_i = dot("bkrc,bkch->bkrh", logits_grad, key_zero_j)  # (B, K, bq*G, H), dS K
-            scale_grad += jnp.sum(query_grad_i * query_i)  # sum(dS * Q K^T); dropped when unused
-            query_grad = _add_at(query_grad, _from_rows(query_grad_i * scale, tiling), start, axis=1)
-            key_grad_j += dot("bkrh,bkrc->bkhc", query_i, logits_grad)  # (B, K, H, bk)
-            if bias is not None:
-                bias_grad = _bias_grad_add(bias_grad, logits_grad, start, key_start, tiling)
-            return query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad
+            def tile(grads):
+                query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = grads
+                start = tiling.query_start(i)
+                query_i = _to_rows(lax.dynamic_slice_in_dim(query, start, bq, axis=1), tiling, dtype)
+                output_grad_i = _rows_of(output_grad_rows, tiling, start)  # (B, K, bq*G, Hv)
+                logits, slope = _tile_logits(
+                    tiling, query_i, key_nan_j, masking, bias, scale, i, j, backward=True
+                )
+                weights = jnp.exp(logits - _rows_of(finite_lse, tiling, start)[..., None])  # (B, K, bq*G, bk)
+                value_grad_j += dot("bkrh,bkrc->bkhc", output_grad_i, weights)  # (B, K, Hv, bk)
+                weights_grad = dot("bkrh,bkch->bkrc", output_grad_i, value_j)  # (B, K, bq*G, bk)
+                logits_grad = weights * (weights_grad - _rows_of(row_dot, tiling, start))  # (B, K, bq*G, bk)
+                if slope is not None:
+                    logits_grad = logits_grad * slope  # dS through the soft cap
+                query_grad_i = dot("bkrc,bkch->bkrh", logits_grad, key_zero_j)  # (B, K, bq*G, H), dS K
+                scale_grad += jnp.sum(query_grad_i * query_i)  # sum(dS * Q K^T); dropped when unused
+                query_grad = _add_at(query_grad, _from_rows(query_grad_i * scale, tiling), start, axis=1)
+                key_grad_j += dot("bkrh,bkrc->bkhc", query_i, logits_grad)  # (B, K, H, bk)
+                if bias is not None:
+                    bias_grad = _bias_grad_add(bias_grad, logits_grad, start, key_start, tiling)
+                return query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad
+
+            return _unless_segments_differ(masking, tiling, i, j, tile, grads)
 
         init = (
             query_grad,
@@ -467,8 +662,9 @@ def _attention_bwd(tiling: _Tiling, residuals, output_grad):
             jnp.zeros((B, K, Hv, bk), dtype) + zero,
             scale_grad,
         )
+        first, last = tiling.query_block_range(j, reach)
         query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = lax.fori_loop(
-            tiling.first_query_block_for(j), tiling.num_query_blocks, query_step, init
+            first, last, query_step, init
         )
         key_grad = _add_at(key_grad, jnp.transpose(key_grad_j * scale, (0, 3, 1, 2)), key_start, axis=1)
         value_grad = _add_at(value_grad, jnp.transpose(value_grad_j, (0, 3, 1, 2)), key_start, axis=1)
@@ -490,6 +686,7 @@ def _attention_bwd(tiling: _Tiling, residuals, output_grad):
         value_grad.astype(value.dtype),
         None,  # the masking: no gradient
         None if bias is None else bias_grad.astype(bias.dtype),
+        None if sinks is None else _sinks_grad(sinks, log_sum_exp, row_dot, tiling).astype(sinks.dtype),
         scale_grad.astype(scale.dtype),
     )
 
@@ -510,6 +707,16 @@ def flatten_batch(x: Array, batch: tuple[int, ...]) -> Array:
     return jnp.broadcast_to(x, (*batch, heads, positions, keys)).reshape(-1, heads, positions, keys)
 
 
+def per_example(x: Any, batch: tuple[int, ...], trailing: tuple[int, ...] = ()) -> Array:
+    """An array broadcastable to `[batch..., *trailing]` as `[B|1, *trailing]`: the batch dims
+    flattened into one, of size 1 when `x` is the same for every example."""
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * (len(batch) + len(trailing) - x.ndim) + x.shape)  # (batch...|1, trailing...)
+    if all(n == 1 for n in x.shape[: len(batch)]):
+        return jnp.broadcast_to(x.reshape(1, *x.shape[len(batch) :]), (1, *trailing))
+    return jnp.broadcast_to(x, (*batch, *trailing)).reshape(-1, *trailing)
+
+
 def _to_tiles(x: Array | None, batch: tuple[int, ...], K: int) -> Array | None:
     """A mask or bias broadcastable to `[batch..., N, T, S]` as `[B|1, K|1, T|1, G|1, S|1]`,
     the order of the kernel's rows (a copy only when it varies over both heads and queries)."""
@@ -522,68 +729,44 @@ def _to_tiles(x: Array | None, batch: tuple[int, ...], K: int) -> Array | None:
     return jnp.swapaxes(x.reshape(B, K, heads // K, positions, keys), 2, 3)  # (B|1, K, T|1, G, S|1)
 
 
-def _check_blocks(block_q: Any, block_k: Any) -> None:
+def _check_arguments(block_q: Any, block_k: Any, logits_soft_cap: Any, segments: tuple) -> None:
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
             raise ValueError(f"chunked_attention: {name} must be a positive int or None, got {size!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"chunked_attention: logits_soft_cap must be positive, got {logits_soft_cap!r}")
+    if (segments[0] is None) != (segments[1] is None):
+        raise ValueError(
+            "chunked_attention: query_segment_ids and key_segment_ids must be given together, got "
+            + " and ".join("None" if s is None else "an array" for s in segments)
+        )
 
 
-def chunked_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    *,
-    mask: Array | None = None,
-    bias: Array | None = None,
-    is_causal: bool = False,
-    scale: float | Array | None = None,
-    query_seq_lengths: Array | None = None,
-    key_value_seq_lengths: Array | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    precision: Any = None,
-) -> Array:
-    """Attention in `[block_q, block_k]` tiles with O(T x block) memory.
-
-    Args:
-      query: `[batch..., T, N, H]`.
-      key: `[batch..., S, K, H]`; K divides N (query head n reads kv head
-        `n // (N // K)`).
-      value: `[batch..., S, K, Hv]`.
-      mask: optional boolean (True = may attend) broadcastable to
-        `[batch..., N, T, S]`.
-      bias: optional additive bias broadcastable to `[batch..., N, T, S]`;
-        -inf entries forbid like a False mask. Differentiable, as is `scale`.
-      is_causal: the T queries are the last T of S positions; key blocks above
-        the diagonal are skipped.
-      scale: logits multiplier, default `1/sqrt(H)`.
-      query_seq_lengths: optional integer lengths `[batch...]`: query rows
-        t >= length are padding (zero output, no gradient).
-      key_value_seq_lengths: optional integer lengths `[batch...]`: keys
-        s >= length are never attended. Both act tile by tile, with no
-        `[T, S]` mask in memory.
-      block_q, block_k: tile sizes of both passes, clipped to T and S; None:
-        `block_sizes`'s, about `TILE_ELEMENTS` logits per tile over the batch
-        and heads (half that backward).
-      precision: of every dot, forward and backward (flax's spelling: None,
-        a string, a `jax.lax.Precision` or a pair); None is JAX's default.
-
-    Returns:
-      `[batch..., T, N, Hv]` in the inputs' result dtype. Inputs are cast to
-      float32 (float64 for float64 inputs) for every dot, the softmax and the
-      accumulators; a row with no allowed key gives zeros, with finite
-      gradients. NaN/inf in keys and values as in `dot_product_attention`'s
-      reference path (module docstring).
-    """
-    *batch, T, N, H = query.shape
-    S, K, Hv = key.shape[-3], key.shape[-2], value.shape[-1]
-    _check_blocks(block_q, block_k)
+def _masking(mask, lengths, query_offset, segments, batch: tuple[int, ...], T: int, S: int, K: int):
+    """The `_Masking` of a call: mask tiles, `(B,)` lengths, `(B|1,)` offsets, `(B, T|S)` ids."""
     B = math.prod(batch)
-    default_q, default_k = block_sizes(B * N, T, S)
-    backward_blocks = None if block_q or block_k else block_sizes(B * N, T, S, backward=True)
-    out_dtype = jnp.result_type(query, key, value)
-    compute_dtype = jnp.promote_types(out_dtype, jnp.float32)
-    tiling = _Tiling(
+    query_lengths, key_lengths = (
+        None if n is None else jnp.broadcast_to(per_example(n, batch), (B,)) for n in lengths
+    )
+    query_ids, key_ids = (
+        None if ids is None else jnp.broadcast_to(per_example(ids, batch, (n,)), (B, n))
+        for ids, n in zip(segments, (T, S), strict=True)
+    )
+    offset = per_example(query_offset, batch).astype(jnp.int32)  # (B|1,)
+    return _Masking(_to_tiles(mask, batch, K), query_lengths, key_lengths, offset, query_ids, key_ids)
+
+
+def _tiling(query, key, value, block_q, block_k, window, is_causal, logits_soft_cap, precision) -> _Tiling:
+    *batch, T, N, _ = query.shape
+    S, K = key.shape[-3], key.shape[-2]
+    span = None
+    if window is not None:  # the most keys one query may see
+        left, right = window
+        span = left + (min(right, 0) if is_causal else right) + 1
+    batch_heads = math.prod(batch) * N
+    default_q, default_k = block_sizes(batch_heads, T, S, key_span=span)
+    backward = None if block_q or block_k else block_sizes(batch_heads, T, S, backward=True, key_span=span)
+    return _Tiling(
         T=T,
         S=S,
         K=K,
@@ -591,32 +774,111 @@ def chunked_attention(
         block_q=min(block_q or default_q, T),
         block_k=min(block_k or default_k, S),
         is_causal=is_causal,
-        dtype=compute_dtype,
+        window=window,
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        dtype=jnp.promote_types(jnp.result_type(query, key, value), jnp.float32),
         precision=precision,
-        backward_blocks=backward_blocks,
+        backward_blocks=backward,
     )
-    masking = _Masking(
-        _to_tiles(mask, tuple(batch), K),
-        *(
-            None if n is None else jnp.broadcast_to(n, tuple(batch)).reshape(-1)  # (B,)
-            for n in (query_seq_lengths, key_value_seq_lengths)
-        ),
-    )
+
+
+def chunked_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | Array | None = None,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_offset: int | Array = 0,
+    query_segment_ids: Array | None = None,
+    key_segment_ids: Array | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Array | None = None,
+    return_residual: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    precision: Any = None,
+) -> Array | tuple[Array, Array]:
+    """Attention in `[block_q, block_k]` tiles with O(T x block) memory.
+
+    Args:
+      query: `[batch..., T, N, H]`.
+      key: `[batch..., S, K, H]`; K divides N (query head n reads kv head
+        `n // (N // K)`).
+      value: `[batch..., S, K, Hv]`.
+      bias: optional additive bias broadcastable to `[batch..., N, T, S]`;
+        -inf entries forbid like a False mask. Differentiable, as are `scale`
+        and `sinks`.
+      mask: optional boolean (True = may attend) broadcastable to
+        `[batch..., N, T, S]`.
+      is_causal: query t may attend key s only when s <= t + query_offset
+        (jax.nn's top-left triangle for offset 0); key blocks beyond it are
+        skipped.
+      scale: logits multiplier, default `1/sqrt(H)`.
+      query_seq_lengths: optional integer lengths `[batch...]`: query rows
+        t >= length are padding (zero output, no gradient).
+      key_value_seq_lengths: optional integer lengths `[batch...]`: keys
+        s >= length are never attended. Both act tile by tile, with no
+        `[T, S]` mask in memory, and tiles wholly beyond them are skipped.
+      local_window_size: None, w or (left, right): query t may attend key s
+        only when `t + query_offset - left <= s <= t + query_offset + right`;
+        tiles outside every window are skipped.
+      query_offset: the key position of query 0, an int or integers
+        broadcastable to `[batch...]`.
+      query_segment_ids, key_segment_ids: optional integers `[batch..., T]` and
+        `[batch..., S]`, given together: query t may attend key s only when
+        its id equals key s's. A tile whose blocks' id ranges do not overlap
+        is skipped.
+      logits_soft_cap: optional positive c: logits (scaled, biased) become
+        `c * tanh(logits / c)` before masking.
+      sinks: optional logits broadcastable to `[batch..., N]`, one per head,
+        added to each row's softmax normaliser; a sink takes weight and has
+        no value.
+      return_residual: also return the log-sum-exp of each row's logits,
+        sink included, `[batch..., T, N]` (-inf where a row has no key and no
+        sink); it passes no gradient.
+      block_q, block_k: tile sizes of both passes, clipped to T and S; None:
+        `block_sizes`'s, about `TILE_ELEMENTS` logits per tile over the batch
+        and heads, capped at half a window's width.
+      precision: of every dot, forward and backward (flax's spelling: None,
+        a string, a `jax.lax.Precision` or a pair); None is JAX's default.
+
+    Returns:
+      `[batch..., T, N, Hv]` in the inputs' result dtype (and the residual).
+      Inputs are cast to float32 (float64 for float64 inputs) for every dot,
+      the softmax and the accumulators; a row with no allowed key gives zeros,
+      with finite gradients. NaN/inf in keys and values as in
+      `dot_product_attention`'s reference path (module docstring).
+    """
+    *batch, T, N, H = query.shape
+    S, K, Hv = key.shape[-3], key.shape[-2], value.shape[-1]
+    segments = (query_segment_ids, key_segment_ids)
+    _check_arguments(block_q, block_k, logits_soft_cap, segments)
+    window = window_pair(local_window_size, "chunked_attention")
+    tiling = _tiling(query, key, value, block_q, block_k, window, is_causal, logits_soft_cap, precision)
+    dtype = tiling.dtype
+    lengths = (query_seq_lengths, key_value_seq_lengths)
+    masking = _masking(mask, lengths, query_offset, segments, tuple(batch), T, S, K)
     if bias is not None:
-        bias = _to_tiles(bias.astype(compute_dtype), tuple(batch), K)
-    scale = jnp.asarray(1.0 / math.sqrt(H) if scale is None else scale, compute_dtype)
+        bias = _to_tiles(jnp.asarray(bias).astype(dtype), tuple(batch), K)
+    if sinks is not None:
+        sinks = per_example(jnp.asarray(sinks).astype(dtype), tuple(batch), (N,)).reshape(-1, K, N // K)
+    scale = jnp.asarray(1.0 / math.sqrt(H) if scale is None else scale, dtype)
     # Inside shard_map every differentiable input takes the mesh axes any input varies along
     # (the custom VJP's cotangents must have its arguments' types); elsewhere XLA drops the + 0.
-    zero = _carry_zero(compute_dtype, query, key, value, masking, bias, scale)
+    zero = _carry_zero(dtype, query, key, value, masking, bias, sinks, scale)
     query, key, value = (x + zero.astype(x.dtype) for x in (query, key, value))
-    bias = None if bias is None else bias + zero
-    output = _attention(
-        tiling,
-        query.reshape(-1, T, N, H),
-        key.reshape(-1, S, K, H),
-        value.reshape(-1, S, K, Hv),
-        masking,
-        bias,
-        scale + zero,
-    )  # (B, T, N, Hv)
-    return output.reshape(*batch, T, N, Hv).astype(out_dtype)
+    bias, sinks = (None if x is None else x + zero for x in (bias, sinks))
+    flat = (query.reshape(-1, T, N, H), key.reshape(-1, S, K, H), value.reshape(-1, S, K, Hv))
+    output, log_sum_exp = _attention(tiling, *flat, masking, bias, sinks, scale + zero)
+    out_dtype = jnp.result_type(query, key, value)
+    output = output.reshape(*batch, T, N, Hv).astype(out_dtype)  # (batch..., T, N, Hv)
+    if not return_residual:
+        return output
+    residual = jnp.swapaxes(log_sum_exp.reshape(-1, K, T, N // K), 1, 2)  # (B, T, K, G)
+    return output, residual.reshape(*batch, T, N).astype(out_dtype)

@@ -16,6 +16,11 @@ DATA = pathlib.Path(__file__).parent / "data"
 # in every test: it also covers models, training steps and interop code that the tests
 # drive without a precision argument. Tests of `precision=` itself pass other values.
 jax.config.update("jax_default_matmul_precision", "highest")
+# As jax's own test harness runs: broadcasting only where the code asks for it (an array of
+# lower rank never meets a higher one silently), and JAX's internal type checks of traced
+# programs (custom VJPs' cotangents, loop carries) on.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_enable_checks", True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,7 @@
 """qkv_jax.dot_product_attention against independent references."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -145,9 +147,34 @@ def test_causal_receptive_field_through_gradients():
 
 def test_causal_mask_semantics():
     np.testing.assert_array_equal(causal_mask(3), np.tril(np.ones((3, 3), bool)))
-    # Decoding: 2 queries are the last 2 of 5 positions.
-    np.testing.assert_array_equal(causal_mask(2, 5), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(causal_mask(2, 5), ref.causal(2, 5))
+    # jax.nn's top-left alignment: query t sees keys 0..t, whatever S.
+    np.testing.assert_array_equal(causal_mask(2, 5, query_offset=0), [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    # Decoding: with query_offset = S - T the 2 queries are the last 2 of 5 positions.
+    np.testing.assert_array_equal(causal_mask(2, 5, query_offset=3), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(causal_mask(4, 3, query_offset=-1), ref.causal(4, 3, query_offset=-1))
+
+
+def test_causal_alignment_change_warns_once_per_process(monkeypatch):
+    """is_causal / causal_mask with T != S and no query_offset used to mean bottom-right: one
+    FutureWarning per process (for both) says so and names the offset that restores it."""
+    monkeypatch.setattr(qkv_jax.attention, "_alignment_warned", False)
+    query, key, value = random_qkv(14, (), 2, 5, 1, 1, 4, 4, np.float32)
+    with pytest.warns(FutureWarning, match=r"query_offset=S - T \(here 3\)") as record:
+        top_left = dot_product_attention(query, key, value, is_causal=True)
+        dot_product_attention(query, key, value, is_causal=True)
+        causal_mask(2, 5)
+    assert len(record) == 1
+    np.testing.assert_allclose(
+        top_left, dot_product_attention(query, key, value, mask=ref.causal(2, 5)), atol=1e-6
+    )
+    monkeypatch.setattr(qkv_jax.attention, "_alignment_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit offset, or T == S, changed nothing: no warning
+        dot_product_attention(query, key, value, is_causal=True, query_offset=0)
+        dot_product_attention(query, key[:2], value[:2], is_causal=True)
+        causal_mask(2, 5, query_offset=3)
+    with pytest.warns(FutureWarning, match="causal_mask: a causal mask with T=2 queries and S=5 keys"):
+        np.testing.assert_array_equal(causal_mask(2, 5), causal_mask(2, 5, query_offset=0))
 
 
 def test_padding_and_combined_masks():

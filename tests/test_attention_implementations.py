@@ -4,7 +4,8 @@ Every path must give the reference's outputs and gradients (float64 NumPy for
 outputs, the reference path for gradients), including masks, GQA, causal with
 T != S, fully masked rows, bias and low precision. The chunked kernel is also
 run with tiny blocks so that padding, several blocks and the skipped causal
-blocks are exercised at small shapes.
+blocks are exercised at small shapes (tests/test_attention_variants.py counts the
+tiles the kernel computes and checks that it skips the rest).
 """
 
 import functools
@@ -96,10 +97,15 @@ def test_outputs_and_gradients_match_reference(implementation, case):
         np.testing.assert_allclose(g, e, **F32_GRAD_TOL, err_msg=name)
 
 
-LOW_PRECISION = [("xla", jnp.bfloat16), ("chunked", jnp.bfloat16), ("chunked", jnp.float16)]
+LOW_PRECISION = [
+    ("xla", jnp.bfloat16),
+    ("xla", jnp.float16),
+    ("chunked", jnp.bfloat16),
+    ("chunked", jnp.float16),
+]
 
 
-@pytest.mark.parametrize("implementation,dtype", LOW_PRECISION)  # xla: no float16 dot on CPU
+@pytest.mark.parametrize("implementation,dtype", LOW_PRECISION)
 def test_low_precision_matches_float32(implementation, dtype):
     query, key, value, mask, bias, is_causal = make_inputs(CASES["mask-bias"])
     low = [jnp.asarray(x, dtype) for x in (query, key, value)]
@@ -123,9 +129,11 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(implementation):
     out = dot_product_attention(query, key, value, mask=mask, bias=bias, implementation=implementation)
     np.testing.assert_array_equal(out[0, 1], 0.0)  # mask row
     np.testing.assert_array_equal(out[:, 2, 0], 0.0)  # -inf bias row of head 0
-    query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])
-    out = dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation=implementation)
-    np.testing.assert_array_equal(out[:, :3], 0.0)  # the first T - S queries see no key
+    query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])  # T 7, S 4
+    out = dot_product_attention(
+        query, key, value, mask=mask, is_causal=True, query_offset=4 - 7, implementation=implementation
+    )
+    np.testing.assert_array_equal(out[:, :3], 0.0)  # aligned bottom-right, the first T - S queries see no key
 
 
 def add_non_finite(key, value, attended):
@@ -227,22 +235,6 @@ def test_chunked_gradients_float64_finite_differences():
         check_grads(attend, (query, key, value, rng.normal(size=(2, 5, 6))), order=1, modes=["rev"], eps=1e-5)
 
 
-def test_chunked_skips_blocks_above_the_diagonal():
-    """A block that were computed and masked would turn NaN values into NaN outputs (0 * nan)."""
-    rng = np.random.default_rng(4)
-    query, key, value = (rng.normal(size=(1, 8, 1, 4)).astype(np.float32) for _ in range(3))
-    value[:, 4:] = np.nan  # key block 1, above the diagonal for query block 0
-
-    @jax.jit
-    def attend(q):
-        return chunked_attention(q, key, value, is_causal=True, block_q=4, block_k=4)
-
-    out = np.asarray(attend(query))
-    assert np.isfinite(out[:, :4]).all() and np.isnan(out[:, 4:]).all()
-    query_grad = jax.grad(lambda q: jnp.sum(attend(q)[:, :4]))(query)
-    assert np.isfinite(np.asarray(query_grad)[:, :4]).all()
-
-
 def test_chunked_under_vmap_equals_batched():
     query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])
     attend = jax.jit(functools.partial(chunked_attention, is_causal=True, block_q=3, block_k=2))
@@ -272,27 +264,41 @@ SELECTIONS = [
     ("cpu long bf16 masked", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "cpu", "chunked"),
     ("cpu weights", shapes(LONG, LONG), dict(return_weights=True), "cpu", "reference"),
     ("cpu dropout", shapes(LONG, LONG), dict(dropout_rate=0.1), "cpu", "reference"),
-    # GPU, step 2: cuDNN wherever it applies, masks, bias and causal T != S included.
-    ("gpu cudnn", shapes(LONG, LONG, dtype=BF16), dict(is_causal=True), "gpu", "xla"),
-    ("gpu cudnn short", shapes(8, 8, dtype=BF16), {}, "gpu", "xla"),
-    ("gpu cudnn float16", shapes(LONG, LONG, dtype=jnp.float16), {}, "gpu", "xla"),
-    ("gpu cudnn H 128", shapes(LONG, LONG, H=128, Hv=128, dtype=BF16), {}, "gpu", "xla"),
-    ("gpu causal T < S", shapes(8, LONG, dtype=BF16), dict(is_causal=True), "gpu", "xla"),
-    ("gpu causal T > S", shapes(LONG, 8, dtype=BF16), dict(is_causal=True), "gpu", "xla"),
-    ("gpu masked", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "gpu", "xla"),
-    ("gpu bias", shapes(LONG, LONG, dtype=BF16), dict(bias=BIAS), "gpu", "xla"),
+    # GPU, step 2: cuDNN wherever it applies, masks, bias and causal with an offset included.
+    ("gpu cudnn", shapes(LONG, LONG, dtype=BF16), dict(is_causal=True), "gpu", "cudnn"),
+    ("gpu cudnn short", shapes(8, 8, dtype=BF16), {}, "gpu", "cudnn"),
+    ("gpu cudnn float16", shapes(LONG, LONG, dtype=jnp.float16), {}, "gpu", "cudnn"),
+    ("gpu cudnn H 128", shapes(LONG, LONG, H=128, Hv=128, dtype=BF16), {}, "gpu", "cudnn"),
+    ("gpu causal T < S", shapes(8, LONG, dtype=BF16), dict(is_causal=True), "gpu", "cudnn"),
+    ("gpu causal T > S", shapes(LONG, 8, dtype=BF16), dict(is_causal=True), "gpu", "cudnn"),
+    (
+        "gpu causal, offset S - T",
+        shapes(8, LONG, dtype=BF16),
+        dict(is_causal=True, query_offset=LONG - 8),
+        "gpu",
+        "cudnn",
+    ),
+    ("gpu masked", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "gpu", "cudnn"),
+    ("gpu bias", shapes(LONG, LONG, dtype=BF16), dict(bias=BIAS), "gpu", "cudnn"),
     (
         "gpu mask+bias+causal",
         shapes(LONG, LONG, dtype=BF16),
         dict(mask=MASK, bias=BIAS, is_causal=True),
         "gpu",
-        "xla",
+        "cudnn",
     ),
-    # ... and not where it does not: a bias (masks become one) needs even T and S for cuDNN's
-    # backward, H is a multiple of 8 up to 128 and equal to Hv, the inputs bf16/fp16.
+    # ... and not where it does not: a bias (masks and causal offsets become one) needs even T and
+    # S for cuDNN's backward, H is a multiple of 8 up to 128 and equal to Hv, the inputs bf16/fp16.
     ("gpu masked odd T", shapes(LONG - 1, LONG, dtype=BF16), dict(mask=True), "gpu", "chunked"),
-    ("gpu causal T != S odd S", shapes(8, LONG + 1, dtype=BF16), dict(is_causal=True), "gpu", "chunked"),
-    ("gpu unmasked odd T", shapes(LONG - 1, LONG + 1, dtype=BF16), dict(is_causal=False), "gpu", "xla"),
+    (
+        "gpu causal with an offset, odd S",
+        shapes(8, LONG + 1, dtype=BF16),
+        dict(is_causal=True, query_offset=LONG + 1 - 8),
+        "gpu",
+        "chunked",
+    ),
+    ("gpu causal, odd S", shapes(8, LONG + 1, dtype=BF16), dict(is_causal=True), "gpu", "cudnn"),
+    ("gpu unmasked odd T", shapes(LONG - 1, LONG + 1, dtype=BF16), dict(is_causal=False), "gpu", "cudnn"),
     ("gpu H 256", shapes(LONG, LONG, H=256, Hv=256, dtype=BF16), {}, "gpu", "chunked"),
     ("gpu H 12", shapes(LONG, LONG, H=12, Hv=12, dtype=BF16), {}, "gpu", "chunked"),
     ("gpu Hv != H", shapes(LONG, LONG, Hv=16, dtype=BF16), {}, "gpu", "chunked"),
@@ -365,8 +371,6 @@ def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference(
     np.testing.assert_allclose(state["intermediates"]["attention_weights"][0].sum(-1), 1.0, rtol=1e-6)
 
 
-HALF_Q, HALF_KV = np.ones((2, 4, 4, 4), np.float16), np.ones((2, 5, 2, 4), np.float16)
-CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a limit of the CPU backend")
 BAD_REQUESTS = [
     pytest.param(dict(implementation="flash"), "implementation must be None or one of", id="unknown"),
     pytest.param(
@@ -376,18 +380,17 @@ BAD_REQUESTS = [
         dict(implementation="xla", return_weights=True), "cannot return attention weights", id="weights xla"
     ),
     pytest.param(
+        dict(implementation="cudnn", return_weights=True),
+        "cannot return attention weights",
+        id="weights cudnn",
+    ),
+    pytest.param(
         dict(implementation="chunked", dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0)),
         "does not implement dropout (dropout_rate=0.1",
         id="dropout",
     ),
     pytest.param(
         dict(implementation="xla", value=np.ones((2, 5, 2, 3), np.float32)), "Hv=3 and H=4", id="value depth"
-    ),
-    pytest.param(
-        dict(implementation="xla", query=HALF_Q, key=HALF_KV, value=HALF_KV),
-        "cannot compile float16 on CPU",
-        marks=CPU_ONLY,
-        id="xla float16 on CPU",
     ),
 ]
 

@@ -107,14 +107,17 @@ def test_default_tiles_match_the_reference(is_causal, masking):
         np.testing.assert_allclose(got, expected, **F32_GRAD_TOL, err_msg=name)
 
 
-def test_causal_with_fewer_queries_than_keys_and_more():
-    """Causal T != S (queries are the last T of S) with overlapping blocks on both sides."""
+@pytest.mark.parametrize("offset", ["top-left", "bottom-right"])
+def test_causal_with_fewer_queries_than_keys_and_more(offset):
+    """Causal T != S, aligned top-left (jax.nn's) and bottom-right (query_offset = S - T: the
+    queries as the last T of S), with overlapping blocks on both sides."""
     rng = np.random.default_rng(1)
     for T_, S_ in ((37, 101), (101, 37)):
         query = rng.normal(size=(2, T_, 4, 8)).astype(np.float32)
         key, value = (rng.normal(size=(2, S_, 1, 8)).astype(np.float32) for _ in range(2))  # MQA
-        tiled = functools.partial(chunked_attention, is_causal=True, block_q=16, block_k=24)
-        reference = functools.partial(dot_product_attention, is_causal=True, implementation="reference")
+        causal = dict(is_causal=True, query_offset=0 if offset == "top-left" else S_ - T_)
+        tiled = functools.partial(chunked_attention, block_q=16, block_k=24, **causal)
+        reference = functools.partial(dot_product_attention, implementation="reference", **causal)
         np.testing.assert_allclose(jax.jit(tiled)(query, key, value), reference(query, key, value), atol=1e-5)
 
         def loss(attend, q, k, v):
@@ -124,7 +127,9 @@ def test_causal_with_fewer_queries_than_keys_and_more():
         expected = jax.grad(functools.partial(loss, reference), (0, 1, 2))(query, key, value)
         for g, e in zip(got, expected, strict=True):
             np.testing.assert_allclose(g, e, **F32_GRAD_TOL)
-        if T_ > S_:  # the first T - S queries see no key: zero output, zero gradient
+        if (
+            T_ > S_ and offset == "bottom-right"
+        ):  # the first T - S queries see no key: zero output and gradient
             np.testing.assert_array_equal(jax.jit(tiled)(query, key, value)[:, : T_ - S_], 0.0)
             np.testing.assert_array_equal(got[0][:, : T_ - S_], 0.0)
 

@@ -1,4 +1,4 @@
-"""Padding by sequence lengths on every path, and the "xla" path as a GPU runs it, on CPU.
+"""Padding by sequence lengths on every path, and the "cudnn" path as a GPU runs it, on CPU.
 
 Lengths (jax.nn's `query_seq_lengths` / `key_value_seq_lengths`) must give the
 float64 NumPy answer with the equivalent mask, in outputs and gradients, on
@@ -7,9 +7,10 @@ made to say "gpu" and `jax.nn.dot_product_attention` is replaced by a stand-in
 that asserts what jax's cuDNN wrapper requires of its arguments (read from
 jax/_src/cudnn/fused_attention_stablehlo.py: one bf16/fp16 dtype, a bias
 `[B|1, N|1, T, S]` in that dtype, int32 lengths `[B]`, a static scale, even T
-and S with a bias, and causal only where top-left and bottom-right agree), then
-computes with jax.nn's "xla" kernel. What cuDNN itself computes is checked on
-a GPU by benchmarks/gpu_check.sh.
+and S with a bias, a window only of the kinds jax.nn passes on to cuDNN), then
+computes with jax.nn's "xla" kernel, whose causal mask and window mean what
+jax.nn's "cudnn" is documented to mean. What cuDNN itself computes is checked
+on a GPU by benchmarks/gpu_check.sh.
 """
 
 import functools
@@ -153,7 +154,19 @@ class CudnnStandIn:
         self.original, self.calls = original, []
 
     def __call__(
-        self, query, key, value, bias=None, mask=None, *, scale, is_causal, implementation, **lengths
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        *,
+        scale,
+        is_causal,
+        implementation,
+        local_window_size,
+        return_residual,
+        **lengths,
     ):
         B, T, N, H = query.shape
         S = key.shape[1]
@@ -162,7 +175,10 @@ class CudnnStandIn:
         assert key.shape == value.shape and H % 8 == 0 and H <= 128
         assert mask is None  # folded into the bias
         assert isinstance(scale, float)  # cuDNN compiles the scale in
-        assert not is_causal or T == S  # cuDNN's triangle is top-left: only T == S is bottom-right too
+        if local_window_size is not None:  # jax.nn passes cuDNN a left window, or one with causal
+            left, right = local_window_size
+            padded = any(n is not None for n in lengths.values())
+            assert left >= 0 and (right == 0 or (is_causal and not padded))
         if bias is not None:
             assert bias.dtype == query.dtype and bias.shape[2:] == (T, S)
             assert bias.shape[0] in (1, B) and bias.shape[1] in (1, N)
@@ -171,15 +187,26 @@ class CudnnStandIn:
             assert value_lengths is None or (
                 value_lengths.dtype == jnp.int32 and value_lengths.shape == (B,)
             ), name
-        self.calls.append(dict(bias=None if bias is None else bias.shape, is_causal=is_causal, **lengths))
+        self.calls.append(
+            dict(bias=None if bias is None else bias.shape, is_causal=is_causal, window=local_window_size)
+        )
         return self.original(
-            query, key, value, bias=bias, scale=scale, is_causal=is_causal, implementation="xla", **lengths
+            query,
+            key,
+            value,
+            bias=bias,
+            scale=scale,
+            is_causal=is_causal,
+            implementation="xla",
+            local_window_size=local_window_size,
+            return_residual=return_residual,
+            **lengths,
         )
 
 
 @pytest.fixture
 def gpu_route(monkeypatch):
-    """The "xla" path as it runs on a GPU, with `CudnnStandIn` for cuDNN."""
+    """The "cudnn" path as it runs on a GPU, with `CudnnStandIn` for cuDNN."""
     stand_in = CudnnStandIn(jax.nn.dot_product_attention)
     jax.clear_caches()  # traces made for the CPU must not be reused
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -197,27 +224,31 @@ def bf16_inputs(batch, T, S, N, K, H=8, seed=0):
 
 
 # name: (batch, T, S, N, K, arguments) with bf16 inputs and H = 8, every one dispatched to cuDNN.
+# "bottom-right": query_offset = S - T, which cuDNN gets as a bias.
 GPU_CASES = {
     "causal T == S": ((2,), 6, 6, 4, 2, dict(is_causal=True)),
     "causal T < S": ((2,), 4, 8, 4, 2, dict(is_causal=True)),
     "causal T > S": ((2,), 8, 4, 2, 1, dict(is_causal=True)),
+    "causal T < S, bottom-right": ((2,), 4, 8, 4, 2, dict(is_causal=True, bottom_right=True)),
     "mask, a fully masked row": ((2,), 4, 6, 2, 2, dict(mask="random")),
     "bias with -inf": ((2,), 4, 6, 4, 2, dict(bias="random")),
     "lengths, causal": ((3,), 6, 6, 2, 2, dict(is_causal=True, lengths=([6, 3, 2], [6, 0, 5]))),
-    "mask + bias + lengths + causal T < S": (
+    "mask + bias + lengths + causal T < S, bottom-right": (
         (2,),
         4,
         6,
         2,
         1,
-        dict(mask="random", bias="random", is_causal=True, lengths=([4, 2], [5, 6])),
+        dict(mask="random", bias="random", is_causal=True, bottom_right=True, lengths=([4, 2], [5, 6])),
     ),
 }
 
 
 def gpu_case_arguments(batch, T, S, N, arguments, seed=1):
     rng = np.random.default_rng(seed)
-    kwargs = dict(is_causal=arguments.get("is_causal", False))
+    kwargs = dict(is_causal=arguments.get("is_causal", False), query_offset=0)
+    if arguments.get("bottom_right"):
+        kwargs["query_offset"] = S - T
     if "mask" in arguments:
         mask = rng.random((*batch, 1, T, S)) < 0.7
         mask.reshape(-1, T, S)[0, 1] = False  # a fully masked row
@@ -233,30 +264,18 @@ def gpu_case_arguments(batch, T, S, N, arguments, seed=1):
     return kwargs
 
 
-@pytest.mark.parametrize("case", GPU_CASES)
-def test_gpu_route_hands_cudnn_valid_arguments_and_matches_the_reference(gpu_route, case):
-    batch, T, S, N, K, arguments = GPU_CASES[case]
-    low, rounded = bf16_inputs(batch, T, S, N, K)
-    kwargs = gpu_case_arguments(batch, T, S, N, arguments)
-    has_bias = "mask" in kwargs or "bias" in kwargs
-    assert (
-        select_implementation(
-            *low, mask=kwargs.get("mask"), bias=kwargs.get("bias"), is_causal=kwargs["is_causal"]
-        )
-        == "xla"
-    )
+def matches_the_reference(attend, low, rounded, kwargs):
+    """`attend`'s bf16 outputs and gradients against the reference path's on the rounded inputs."""
 
     def loss(attend, query, key, value):
         return jnp.sum(jnp.sin(attend(query, key, value, **kwargs).astype(jnp.float32)))
 
-    ours = functools.partial(dot_product_attention, implementation=None)
     reference = functools.partial(dot_product_attention, implementation="reference")
-    out = ours(*low, **kwargs)
-    assert out.dtype == jnp.bfloat16 and gpu_route.calls, "cuDNN was not called"
-    assert (gpu_route.calls[-1]["bias"] is not None) == (has_bias or (kwargs["is_causal"] and T != S))
+    out = attend(*low, **kwargs)
+    assert out.dtype == jnp.bfloat16
     want = reference(*rounded, **kwargs)
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=BF16_TOL, rtol=BF16_TOL)
-    got = jax.jit(jax.grad(functools.partial(loss, ours), (0, 1, 2)))(*low)
+    got = jax.jit(jax.grad(functools.partial(loss, attend), (0, 1, 2)))(*low)
     expected = jax.jit(jax.grad(functools.partial(loss, reference), (0, 1, 2)))(*rounded)
     for name, g, e in zip(("query", "key", "value"), got, expected, strict=True):
         g = np.asarray(g, np.float32)
@@ -264,8 +283,66 @@ def test_gpu_route_hands_cudnn_valid_arguments_and_matches_the_reference(gpu_rou
         np.testing.assert_allclose(g, e, atol=4 * BF16_TOL, rtol=4 * BF16_TOL, err_msg=name)
 
 
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_route_hands_cudnn_valid_arguments_and_matches_the_reference(gpu_route, case):
+    batch, T, S, N, K, arguments = GPU_CASES[case]
+    low, rounded = bf16_inputs(batch, T, S, N, K)
+    kwargs = gpu_case_arguments(batch, T, S, N, arguments)
+    has_bias = "mask" in kwargs or "bias" in kwargs or arguments.get("bottom_right", False)
+    selected = select_implementation(
+        *low,
+        kwargs.get("bias"),
+        kwargs.get("mask"),
+        is_causal=kwargs["is_causal"],
+        query_offset=kwargs["query_offset"],
+    )
+    assert selected == "cudnn"
+    matches_the_reference(functools.partial(dot_product_attention, implementation=None), low, rounded, kwargs)
+    assert gpu_route.calls, "cuDNN was not called"
+    assert (gpu_route.calls[-1]["bias"] is not None) == has_bias
+    assert gpu_route.calls[-1]["is_causal"] == (kwargs["is_causal"] and not arguments.get("bottom_right"))
+
+
+# name: (T, S, arguments, the window jax.nn gets). select_implementation sends none of these to
+# cuDNN (its meaning of windows is not yet checked on a GPU); asked for, "cudnn" hands jax.nn the
+# windows it passes on to cuDNN and folds the rest, and segment ids, into the bias.
+EXPLICIT_CUDNN = {
+    "window (2, 0)": (6, 8, dict(local_window_size=(2, 0)), (2, 0)),
+    "causal window (3, 1)": (8, 6, dict(is_causal=True, local_window_size=(3, 1)), (3, 1)),
+    "window (1, 2): a bias": (6, 6, dict(local_window_size=(1, 2)), None),
+    "causal window (2, 1), lengths: a bias": (
+        6,
+        6,
+        dict(is_causal=True, local_window_size=(2, 1), query_seq_lengths=np.array([6, 4])),
+        None,
+    ),
+    "segments, causal": (
+        6,
+        6,
+        dict(
+            is_causal=True,
+            query_segment_ids=np.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]]),
+            key_segment_ids=np.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]]),
+        ),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXPLICIT_CUDNN)
+def test_explicit_cudnn_with_windows_and_segments(gpu_route, case):
+    T, S, kwargs, window = EXPLICIT_CUDNN[case]
+    low, rounded = bf16_inputs((2,), T, S, 4, 2)
+    assert select_implementation(*low, **{k: v for k, v in kwargs.items() if "lengths" not in k}) != "cudnn"
+    matches_the_reference(
+        functools.partial(dot_product_attention, implementation="cudnn"), low, rounded, kwargs
+    )
+    assert gpu_route.calls[-1]["window"] == window
+    assert (gpu_route.calls[-1]["bias"] is not None) == (window is None)
+
+
 def test_gpu_route_keeps_masked_nan_out_and_zeroes_empty_rows(gpu_route):
-    batch, T, S, N, K, arguments = GPU_CASES["mask + bias + lengths + causal T < S"]
+    batch, T, S, N, K, arguments = GPU_CASES["mask + bias + lengths + causal T < S, bottom-right"]
     (query, key, value), rounded = bf16_inputs(batch, T, S, N, K)
     kwargs = gpu_case_arguments(batch, T, S, N, arguments)  # key lengths 5 and 6
 
