@@ -2,7 +2,8 @@ r"""Rebuilds the generated parts of the documentation from measured outputs.
 
   python -m docs.generate readme       # the main job's output, the static baseline's, a screenshot
   python -m docs.generate experiments [--only STUDY ...]   # docs/experiments.md (docs/experiments_doc.py)
-  python -m docs.generate reliability  # docs/reliability.md from the tests' reliability marks
+  python -m docs.generate reliability  # docs/reliability.md from the tests' reliability marks and
+                                       # the launcher fuzzer's record, docs/launcher_fuzz.json
 
 Each part is written between `<!-- generated:NAME -->` and
 `<!-- end generated:NAME -->` markers, with the command that regenerated it.
@@ -119,7 +120,8 @@ def experiments(only: list[str] | None = None) -> None:
 
 
 def reliability() -> None:
-    """Collects the tests (no run) and renders their reliability marks."""
+    """Collects the tests (no run) and renders their reliability marks, with the launcher
+    fuzzer's recorded run (docs/launcher_fuzz.json, which tests/test_launcher_fuzz.py writes)."""
     with tempfile.TemporaryDirectory() as tmp:
         dump = pathlib.Path(tmp) / "cases.json"
         subprocess.run(
@@ -131,9 +133,14 @@ def reliability() -> None:
         )
         cases = json.loads(dump.read_text())
     sys.path.insert(0, str(ROOT / "tests"))
-    from reliability_catalogue import render
+    from reliability_catalogue import FUZZ_RECORD, render, rows
 
     (ROOT / "docs" / "reliability.md").write_text(render(cases))
+    print(f"{len(rows(cases))} reliability cases")
+    if FUZZ_RECORD.exists():
+        record = json.loads(FUZZ_RECORD.read_text())
+        where = FUZZ_RECORD.relative_to(ROOT)
+        print(f"launcher fuzz: {record['cases']:,} cases, seed {record['seed']} ({where})")
 
 
 PARTS = {"readme": readme, "experiments": experiments, "reliability": reliability}
