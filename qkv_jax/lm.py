@@ -70,9 +70,11 @@ LORA_TARGETS = (*ATTENTION_LORA_TARGETS, "mlp")
 class TransformerConfig:
     """Every option of `TransformerBlock` and `TransformerLM`, declared once (as flax's lm1b does).
 
-    A new attention option is a field here and one argument in
-    `TransformerBlock`; the training tasks build this from a config's `model`
-    section by field name (`qkv_jax.tasks.transformer`).
+    A new attention option is a field here and one entry in `attention_options`
+    (shared by the linen and the nnx `TransformerBlock`); the training tasks
+    build this from a config's `model` section by field name
+    (`qkv_jax.tasks.transformer`). Its checks run here, once, when it is built;
+    `dataclasses.replace(config, causal=False)` is a changed copy, checked again.
 
     Attributes:
       vocab_size, num_layers, d_model: sizes; num_heads must divide d_model.

@@ -360,13 +360,6 @@ def _and_masks(*masks: Array | None) -> Array | None:
     return combined
 
 
-def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Whether `shape` broadcasts to `target` (trailing axes aligned, each 1 or equal)."""
-    if len(shape) > len(target):
-        return False
-    return all(a in (1, b) for a, b in zip(shape[::-1], target[::-1], strict=False))
-
-
 def _causal_keys(T: int, S: int, query_offset: Any) -> Array:
     """`[T, S]` boolean: key s is visible to query t when s <= t + query_offset.
 
@@ -435,25 +428,18 @@ def flax_dot_product_attention(
       `[batch..., T, N, Hv]`.
     """
     query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
-    mask = _as_bool_mask(mask)
-    if is_causal:
-        # The triangle as an explicit mask, aligned by query_offset: key s is visible
-        # to query t when s <= t + query_offset (a traced cache index works too).
-        *batch, T, N, _ = query.shape
-        target = (*batch, N, T, key.shape[-3])
-        if mask is not None and not _broadcasts(mask.shape, target):
-            raise ValueError(f"attention: mask of shape {mask.shape} does not broadcast to {target}")
-        offset = 0 if query_offset is None else query_offset
-        mask = _and_masks(mask, _causal_keys(T, key.shape[-3], offset))
     dropping = not deterministic and dropout_rate > 0.0
     weighted = module is not None or dropping
     attended = dot_product_attention(
         query,
         key,
         value,
-        bias=bias,
-        mask=mask,
+        bias,
+        _as_bool_mask(mask),
         scale=scale,
+        is_causal=is_causal,
+        # Explicit, also when 0: the alignment is the caller's (top-left unless a cache says).
+        query_offset=(0 if query_offset is None else query_offset) if is_causal else None,
         return_weights=weighted,
         implementation="reference" if weighted else implementation,
         precision=precision,

@@ -370,7 +370,7 @@ class MultiHeadAttention(nnx.Module):
             inputs_k = inputs_q
         if inputs_v is None:
             inputs_v = inputs_k
-        _check_inputs(owner, "inputs_q", inputs_q, min_rank=1)
+        _check_inputs(owner, "inputs_q", inputs_q)
         if inputs_q.shape[-1] != self.in_features:
             raise ValueError(
                 f"{owner}: inputs_q has {inputs_q.shape[-1]} features (shape {inputs_q.shape}), "
