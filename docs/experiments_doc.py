@@ -396,6 +396,108 @@ def thermostat() -> str:
     )
 
 
+# --- What W_Q and W_K learn on the flag task -------------------------------------------------
+
+
+def flag_reader_circuit() -> str:
+    workdir = "runs/studies/flag_reader"
+    command = [
+        "experiments.study",
+        "flag_reader",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "8",
+        "--config",
+        "configs/flag_retrieval.py",
+        "--config.train.log_every=10",
+    ]
+    run(command)
+    record = json.loads((ROOT / workdir / "results.json").read_text())
+    image = copy_image(ROOT / workdir / "flag_reader.png", "study_flag_reader.png")
+    s = record["summary"]
+    seeds, aligned, threshold = len(record["seeds"]), record["aligned_at_step"], record["aligned_threshold"]
+    before = lambda name: ci(s[name]["before"])
+    after = lambda name: ci(s[name]["after"])
+    growth = s["top_value"]["after"]["mean"] / s["top_value"]["before"]["mean"]
+    flag = s["flag_logit"]["after"]["mean"]
+    rest_kept = not excludes_zero(s["rest_norm"]["change"])
+    rank_fell = s["effective_rank"]["after"]["high"] < s["effective_rank"]["before"]["low"]
+    lead = record["aligned_minus_loss_below_1e-2"]
+    if None in aligned:
+        timing = f"It passes {threshold} in {sum(a is not None for a in aligned)} of {seeds} seeds. "
+    else:
+        timing = (
+            f"It turns there early: cos(r, e_flag) first passes {threshold} at step "
+            f"{ci(record['aligned_at'], 1)} (steps {', '.join(map(str, aligned))}); aligned minus the "
+            f"first step with training loss below 1e-2, paired per seed: {ci(lead, 1, signed=True)} steps. "
+        )
+    answer = (
+        f"Over {seeds} seeds, r, the one direction of input space the learned query reads, ends on the "
+        f"flag channel: cos(r, e_flag) = {after('cos_flag')} after training, against "
+        f"{before('cos_flag')} before (a random direction of {record['d_model']} dimensions); in key "
+        f"space, cos(q W_Q, e_flag W_K) = {after('cos_flag_key')}. "
+        + timing
+        + f"The flag adds {after('flag_logit')} to its token's logit, while the content moves a token's "
+        f"logit by {after('content_logit_std')} (one standard deviation): the flagged token outweighs "
+        f"every other token by a factor of about e^{fmt(flag, 3)} = {fmt(math.exp(flag), 2)}. "
+        f"W_QK = W_Q W_K^T gained one direction: its largest singular value grew {fmt(growth, 3)}-fold, "
+        f"from {before('top_value')} to {after('top_value')}, its top right singular vector lies on the "
+        f"flag channel (|v_1[flag]| = {after('flag_alignment')}) and its top left one along q "
+        f"({after('query_alignment')}), "
+        + (
+            "while the rest of W_QK kept its initial size (Frobenius norm beyond the top direction "
+            f"{before('rest_norm')} before, {after('rest_norm')} after; paired change "
+            f"{ci(s['rest_norm']['change'], signed=True)}). "
+            if rest_kept
+            else "and the rest of W_QK changed too (norm beyond the top direction "
+            f"{before('rest_norm')} before, {after('rest_norm')} after). "
+        )
+        + f"So the effective rank falls from {before('effective_rank')} to {after('effective_rank')}, "
+        + (
+            "and not to 1: what W_Q and W_K learned is a rank-one reader, q on the query side and the "
+            "flag channel on the key side, added on top of a random initialisation that the task never "
+            "reads. The loss sees W_Q only through q W_Q and W_QK only through q W_QK = r^T, so the "
+            "gradient reaches W_Q along q alone and W_K along q W_Q alone; the directions of W_QK that q "
+            "does not read are asked for nothing and, as measured, keep their initial values (Adam's "
+            "per-coordinate steps could have leaked into them). The attention pattern is this one learned "
+            "direction applied to each input."
+            if rest_kept and rank_fell
+            else "which is not the rank-one picture; see the table."
+        )
+    )
+    return "\n".join(
+        [
+            "## What W_Q and W_K learn on the flag task: one direction, the flag channel",
+            "",
+            "**Question.** On the flag task the learned-query model finds the flagged token (above). "
+            "What exactly did W_Q and W_K learn? With one learned query q, a token x gets the logit "
+            "scale (q W_Q).(x W_K) = scale x.r, where r = W_K (q W_Q)^T is one direction of input "
+            "space: everything the attention does is in r, and in W_QK = W_Q W_K^T, which r reads "
+            "along q.",
+            "",
+            f"**Design.** `configs/flag_retrieval.py` (d_model {record['d_model']}: "
+            f"{record['d_model'] - 1} content channels and the flag as the last; d_k {record['d_k']}; "
+            f"Adam at 0.01, batch 32, {record['train_steps']} steps), {seeds} seeds trained together. "
+            "Before training and every 10 steps a probe (`flag_reader_geometry` in "
+            "`qkv_jax/studies/circuits.py`) measures cos(r, e_flag) (its square is the share of |r|^2 "
+            "on the flag channel), the same angle in key space, the logit the flag adds (scale r_flag) "
+            "against the spread of the content's logits (scale |r_content|, content drawn from "
+            "N(0, I)), and W_QK's singular values, effective rank (exp of the entropy of the "
+            "normalised singular values) and top singular vectors. Intervals are t-based 95% "
+            "intervals over seeds; before-after changes are paired.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'], 2)} s on 2 CPU cores): `{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![the direction the query reads, and W_QK's singular values, through training]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
 # --- Language models: the causal mask, and sharing K/V heads ---------------------------------
 
 
@@ -517,6 +619,163 @@ def lm_kv_heads() -> str:
             f"**Answer.** {answer}",
         ]
     )
+
+
+def lm_kv_views() -> str:
+    workdir = "runs/studies/kv_views"
+    command = [
+        "experiments.study",
+        "kv_views",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "5",
+        "--config.eval.ablation_examples=0",
+    ]
+    run(command)
+    record = json.loads((ROOT / workdir / "results.json").read_text())
+    image = copy_image(ROOT / workdir / "kv_views.png", "study_lm_kv_views.png")
+    mha = next(r for r in record["rows"] if r["arm"].startswith("mha"))
+    others = [r for r in record["rows"] if r is not mha]
+    threshold, seeds, lowest = record["threshold"], len(mha["seeds"]), min(record["thresholds"])
+
+    def differences(name: str) -> str:
+        return "; ".join(f"{r['arm']} {ci(r['minus_mha'][name], 3, signed=True)}" for r in others)
+
+    def significant(name: str, sign: int) -> list[str]:
+        return [
+            r["arm"]
+            for r in others
+            if excludes_zero(r["minus_mha"][name]) and sign * r["minus_mha"][name]["mean"] > 0
+        ]
+
+    per_layer = "; ".join(
+        f"{r['arm']} " + ", ".join(fmt(s["mean"], 3) for s in r["views_per_layer_interval"])
+        for r in record["rows"]
+    )
+    findings = {
+        "fewer": significant(f"views_{threshold}", -1),
+        "fewer_at_lowest": significant(f"views_{lowest}", -1),
+        "alike": significant("mean_divergence", -1),
+        "rank": significant("qk_effective_rank_change", -1) + significant("qk_effective_rank_change", 1),
+    }
+    answer = (
+        f"Over {seeds} seeds, distinct patterns per layer at {threshold:g} nats (layer 0, layer 1; of "
+        f"{mha['num_heads']}): {per_layer}. Over both layers, minus MHA (paired): "
+        f"{differences(f'views_{threshold}')}. The mean pairwise divergence, which needs no threshold, "
+        f"grows in training from {ci(mha['intervals']['mean_divergence_before'])} to "
+        f"{ci(mha['intervals']['mean_divergence'])} nats in MHA; after training, minus MHA: "
+        f"{differences('mean_divergence')}. Each head's W_QK keeps most of its initial effective rank: "
+        f"{ci(mha['intervals']['qk_effective_rank_before'], 2)} -> "
+        f"{ci(mha['intervals']['qk_effective_rank'], 2)} "
+        f"of {mha['head_dim']} in MHA; its change in training minus MHA's: "
+        f"{differences('qk_effective_rank_change')}. " + _kv_views_conclusion(findings, record, others)
+    )
+    return "\n".join(
+        [
+            "## Do shared K/V heads learn fewer relationships?",
+            "",
+            "**Question.** Sharing key/value heads (GQA, MQA) or compressing them into a latent (MLA) is "
+            "said to give the model fewer distinct views; the study above measures its cost in bits/char. "
+            "Measured here is the claim itself, in the learned matrices and in their momentary result: "
+            "does each head's W_QK keep its rank, and does a layer still hold as many distinct attention "
+            "patterns as it has query heads?",
+            "",
+            "**Design.** `configs/char_lm.py:study` (2 layers, d_model 128, 8 query heads of 16 dimensions, "
+            "300 AdamW steps on the standard library) with 8 K/V heads (MHA), 2 (GQA-2), 1 (MQA), and MLA "
+            "with a 32-wide latent: four of the six variants of the study above, to keep the run near 20 "
+            f"minutes on 2 shared CPU cores. {seeds} seeds per variant, trained together, with the same "
+            "batches and the same initial values of the shared parameters in every variant, so differences "
+            "from MHA are paired per seed. Before training and every 50 steps a probe (`kv_views_probe` in "
+            "`qkv_jax/studies/circuits.py`) measures each head's W_QK = W_Q W_K^T effective rank (exp of the "
+            "entropy of its normalised singular values; the attention LayerNorm folded in, a grouped head's "
+            "W_K is its group's, the MLA latent folded into W_K) and every head's attention on "
+            f"{record['windows']} fixed windows of 128 characters of held-out text. Two heads' patterns "
+            "differ by the Jensen-Shannon divergence of their attention rows, averaged over the windows' "
+            "rows (nats: 0 for identical rows, ln 2 = 0.693 for rows on disjoint keys). A layer's number of "
+            "distinct patterns is the size of the largest set of its heads whose patterns differ pairwise "
+            f"by more than {threshold:g} nats (1 when every head attends alike, 8 when all differ; exact, "
+            "and independent of the heads' order). The threshold was set after a 2-seed trial of MHA and "
+            "MQA in which every pair of heads of both differed by more than 0.2 nats, so that lower "
+            "thresholds count 8 everywhere; the second table gives the count at "
+            f"{', '.join(f'{t:g}' for t in record['thresholds'])} nats, and the mean pairwise divergence is "
+            "the measure without a threshold. `--config.eval.ablation_examples=0` skips the head-ablation "
+            "evaluation, which this study does not read.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
+            f"`{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![distinct patterns through training; divergence against W_QK rank]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
+def _kv_views_conclusion(findings: dict[str, list[str]], record: dict, others: list[dict]) -> str:
+    """What the paired differences say about the claim, in words."""
+    threshold, lowest = record["threshold"], min(record["thresholds"])
+    fewer, alike = findings["fewer"], findings["alike"]
+    rows = {r["arm"]: r for r in others}
+    layers = len(others[0]["views_per_layer_interval"])
+    all_distinct_at_lowest = all(
+        count == r["num_heads"] * layers for r in record["rows"] for count in r["views"][f"{lowest:g}"]
+    )
+    sentences = []
+    if fewer:
+        sentences.append(
+            f"So sharing costs views in degree, not in kind: the heads of {', '.join(alike) or 'no variant'} "
+            "attend significantly more alike than MHA's, and at "
+            f"{threshold:g} nats {', '.join(fewer)} hold significantly fewer distinct patterns ("
+            + ", ".join(
+                f"{arm} {fmt(rows[arm]['minus_mha'][f'views_{threshold}']['mean'], 2)}" for arm in fewer
+            )
+            + " over the two layers)"
+            + (
+                f"; yet at {lowest:g} nats every head of every variant differs from every other in every "
+                "seed. Each query head's own W_Q against the shared W_K still makes its own pattern, only "
+                "closer to its neighbours'."
+                if all_distinct_at_lowest
+                else f"; at {lowest:g} nats no variant has significantly fewer."
+                if not findings["fewer_at_lowest"]
+                else "."
+            )
+        )
+    else:
+        sentences.append(
+            f"So at {threshold:g} nats no variant holds significantly fewer distinct patterns than MHA"
+            + (f", though the heads of {', '.join(alike)} attend significantly more alike." if alike else ".")
+        )
+    spared = [r["arm"] for r in others if r["arm"] not in fewer and r["arm"] not in alike]
+    if spared:
+        sentences.append(
+            f"{', '.join(spared)} keeps MHA's patterns: as many and as different, its queries and keys "
+            "still one per head."
+        )
+    sentences.append(
+        "In the learned matrices, the change of W_QK's effective rank in training differs significantly "
+        f"from MHA's for {', '.join(findings['rank'])}."
+        if findings["rank"]
+        else "In the learned matrices the sharing does not show as a change of W_QK's rank: in every "
+        "variant training lowers it by a similar small amount (the paired differences above include 0)."
+    )
+    lower_from_start = [
+        r["arm"]
+        for r in others
+        if excludes_zero(r["minus_mha"]["qk_effective_rank_before"])
+        and r["minus_mha"]["qk_effective_rank_before"]["mean"] < 0
+    ]
+    for arm in lower_from_start:
+        minus = rows[arm]["minus_mha"]
+        sentences.append(
+            f"{arm}'s W_QK has a lower effective rank than MHA's after training "
+            f"({ci(minus['qk_effective_rank'], 2, signed=True)}) and as much lower before it "
+            f"({ci(minus['qk_effective_rank_before'], 2, signed=True)}): its W_K is a product through the "
+            "latent, and that, not learning, lowers it."
+        )
+    return " ".join(sentences)
 
 
 def _kv_conclusion(others: list[dict]) -> str:
@@ -653,6 +912,106 @@ def induction_heads() -> str:
             *record["table"],
             "",
             f"![induction and previous-token scores through training]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
+def induction_composition() -> str:
+    workdir = "runs/studies/induction_composition"
+    command = [
+        "experiments.study",
+        "induction_composition",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "8",
+        "--config",
+        "configs/sequences.py:repeat",
+        "--config.train.log_every=25",
+        "--config.train.checkpoint_every=100",
+    ]
+    run(command)
+    record = json.loads((ROOT / workdir / "results.json").read_text())
+    image = copy_image(ROOT / workdir / "induction_composition.png", "study_induction_composition.png")
+    seeds = len(record["rows"])
+    risen, steepest = record["risen"], record["steepest"]
+
+    def order(timing: dict) -> str:
+        """When the composition's curve moves relative to the score's, in words, with the paired interval."""
+        d = timing["composition_minus_induction"]
+        paired = f"composition minus induction, paired: {ci(d, 1, signed=True)}"
+        if not excludes_zero(d):
+            return f"at the same step within the interval ({paired})"
+        return f"{fmt(abs(d['mean']), 3)} steps {'earlier' if d['mean'] < 0 else 'later'} ({paired})"
+
+    lead = steepest["composition_minus_induction"]
+    together = (
+        f"the composition's fastest growth {fmt(-lead['mean'], 3)} steps ahead of the score's"
+        if excludes_zero(lead) and lead["mean"] < 0
+        else "their fastest growth at the same step within the interval"
+        if not excludes_zero(lead)
+        else f"the composition's fastest growth {fmt(lead['mean'], 3)} steps behind the score's"
+    )
+    saturates_first = excludes_zero(risen["composition_minus_induction"]) and (
+        risen["composition_minus_induction"]["mean"] > 0
+    )
+    answer = (
+        f"In {record['strongest_is_previous_token_head']} of {seeds} seeds the layer-0 head whose output "
+        "the induction head's keys read the most (the strongest K-composer) is the previous-token head. "
+        f"Their K-composition rises from {ci(record['k_composition_before'])} at initialisation (what random "
+        f"matrices give) to {ci(record['k_composition_after'])}, while the other layer-0 heads' "
+        f"K-composition into the same induction head ends at {ci(record['k_composition_other_heads'])} "
+        f"(pair minus the others, paired: {ci(record['pair_minus_other_heads'], signed=True)}); the same "
+        f"pair's Q- and V-composition end at {ci(record['q_composition'])} and "
+        f"{ci(record['v_composition'])}: it is the keys that read the previous-token head, as the induction "
+        "circuit has it. On timing, the K-composition grows fastest at step "
+        f"{ci(steepest['composition'], 1)} and the induction score at step "
+        f"{ci(steepest['induction'], 1)}: the composition "
+        f"{order(steepest)}. By the half-the-change rule the score has risen at step "
+        f"{ci(risen['induction'], 1)} and the composition at step {ci(risen['composition'], 1)}: "
+        f"{order(risen)}"
+        + (
+            ", because the score saturates within a few hundred steps while the K-composition keeps "
+            f"growing to the end of training (the plot). So they rise together, {together}; after the "
+            "pattern has settled, W_OV of the previous-token head and W_QK of the induction head go on "
+            "aligning. The attention pattern is the momentary result; the composition of the learned "
+            "matrices keeps changing under it."
+            if saturates_first
+            else f". So they rise together, {together}."
+        )
+    )
+    return "\n".join(
+        [
+            "## Induction heads: K-composition of the learned matrices against the induction score",
+            "",
+            "**Question.** The induction circuit is two heads composed: a previous-token head in layer 0 "
+            "writes each token's predecessor into the residual stream, and the induction head's keys read "
+            "it (K-composition, a property of the learned matrices W_OV of the first head and W_QK of the "
+            "second, no input involved). The induction score is a property of the attention pattern. Does "
+            "the composition rise at the same step as the score?",
+            "",
+            f"**Design.** `configs/sequences.py:repeat` as in the study above (2-layer TransformerLM, "
+            f"d_model 64, 4 heads, {record['train_steps']} AdamW steps), {seeds} seeds trained together. "
+            "Before training and every 25 steps a probe (`induction_composition_probe` in "
+            "`qkv_jax/studies/circuits.py`) measures every head's induction score and previous-token weight "
+            "and the Q-, K- and V-composition scores of every head pair (`composition_scores` of "
+            "`qkv_jax.interpretability`: ||W_OV^1 M^2||_F / (||W_OV^1||_F ||M^2||_F) with M^2 = W_QK^2^T "
+            "for K; each block's attention LayerNorm folded into its weights). Per seed, the induction head "
+            "is the layer-1 head with the highest final induction score and the previous-token head the "
+            "layer-0 head with the highest final previous-token weight. Two timings, the same rule for both "
+            "curves: risen, the first probed step at which a curve has covered half of its change from "
+            "before training to the end; steepest, the step that ends the probe interval over which it rose "
+            "the most (no threshold). Intervals are t-based 95% intervals over seeds; composition minus "
+            "induction is paired per seed.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
+            f"`{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![induction score and K-composition through training]({image})",
             "",
             f"**Answer.** {answer}",
         ]
@@ -983,9 +1342,12 @@ STUDIES: dict[str, Callable[[], str]] = {
     "two_flag_heads": two_flag_heads,
     "flag_min_dk": flag_min_dk,
     "thermostat": thermostat,
+    "flag_reader_circuit": flag_reader_circuit,
     "lm_causal_mask": lm_causal_mask,
     "lm_kv_heads": lm_kv_heads,
+    "lm_kv_views": lm_kv_views,
     "induction_heads": induction_heads,
+    "induction_composition": induction_composition,
     "lm_lora_finetune": lm_lora_finetune,
     "lm_kv_conversion": lm_kv_conversion,
     "lm_head_ablation": lm_head_ablation,

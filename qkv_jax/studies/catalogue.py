@@ -7,9 +7,14 @@ with the command that regenerates them.
 
 from __future__ import annotations
 
-from qkv_jax.studies import finetuning, language_model, mechanisms
+from qkv_jax.studies import circuits, finetuning, language_model, mechanisms
 from qkv_jax.studies.results import Study
 
 __all__ = ["STUDIES"]
 
-STUDIES: dict[str, Study] = {**language_model.STUDIES, **mechanisms.STUDIES, **finetuning.STUDIES}
+STUDIES: dict[str, Study] = {
+    **language_model.STUDIES,
+    **mechanisms.STUDIES,
+    **finetuning.STUDIES,
+    **circuits.STUDIES,
+}
