@@ -448,23 +448,40 @@ def flax_dot_product_attention(
         return attended  # (..., T, N, Hv)
     output, weights = attended  # (..., T, N, Hv), (..., N, T, S)
     if module is not None:
-        sown = weights.astype(jnp.float32) if force_fp32_for_softmax else weights
-        nnx = sys.modules.get("flax.nnx")  # imported by whoever built an nnx module (it pulls in optax)
-        if nnx is not None and isinstance(module, nnx.Module):
-            module.sow(nnx.Intermediate, "attention_weights", sown)
-        else:
-            module.sow("intermediates", "attention_weights", sown)
+        _sow_weights(module, weights.astype(jnp.float32) if force_fp32_for_softmax else weights)
     if not dropping:
         return output
     if dropout_rng is None:
         raise ValueError(f"attention: dropout_rate={dropout_rate} and deterministic=False need a dropout_rng")
-    keep_prob = 1.0 - dropout_rate
-    # flax's shapes: (1, ..., 1, T, S) broadcast over batch and heads, else the weights' own.
-    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    return _dropped_output(weights, value, dropout_rng, dropout_rate, broadcast_dropout, precision)
+
+
+def _sow_weights(module: Any, weights: Array) -> None:
+    """`weights` as `attention_weights` in a linen module's 'intermediates' or an nnx module's
+    `nnx.Intermediate` (flax.nnx is looked up, not imported: it pulls in optax)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    else:
+        module.sow("intermediates", "attention_weights", weights)
+
+
+def _dropped_output(
+    weights: Array, value: Array, rng: Array, rate: float, broadcast: bool, precision: PrecisionLike
+) -> Array:
+    """The heads' outputs `[..., T, N, Hv]` from weights `[..., N, T, S]` after flax's dropout.
+
+    flax's draw: `jax.random.bernoulli(rng, 1 - rate, shape)` with shape `(1, ..., 1, T, S)`
+    (one mask for the batch and the heads) when `broadcast`, else the weights' own; kept
+    weights are divided by 1 - rate. (The attention's own output, computed without dropout, is
+    not used: under jit XLA drops it.)
+    """
+    keep_prob = 1.0 - rate
+    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, keep_prob, shape)
     dropped = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))  # (..., N, T, S)
-    *batch, T, N, _ = query.shape
-    K, S = key.shape[-2], key.shape[-3]
+    *batch, N, T, S = weights.shape
+    K = value.shape[-2]
     grouped = dropped.reshape(*batch, K, N // K, T, S)  # (..., K, G, T, S)
     output = jnp.einsum("...kgts,...skv->...tkgv", grouped, value, precision=precision)  # (..., T, K, G, Hv)
     return output.reshape(*batch, T, N, value.shape[-1])  # (..., T, N, Hv)
@@ -590,13 +607,15 @@ def check_attention_settings(owner: str, settings: Any) -> None:
 
 
 def resolve_inputs(
-    owner: str, inputs_q: Array, inputs_k: Any, inputs_v: Any, inputs_kv: Any
+    owner: str, inputs_q: Array, inputs_k: Any, inputs_v: Any, inputs_kv: Any, warn_square: bool = True
 ) -> tuple[Array, Array]:
     """flax's rules for `inputs_k`, `inputs_v` and the older `inputs_kv`: (keys' input, values' input).
 
     Both default to `inputs_q`, `inputs_v` to `inputs_k`. A boolean array as
     the third positional argument (`mha(x, x, mask)`, the older qkv_jax call)
-    is a TypeError: that argument is `inputs_v`, as in flax.
+    is a TypeError: that argument is `inputs_v`, as in flax. `warn_square`:
+    flax.linen's DeprecationWarning for an `inputs_v` that looks like a mask
+    (flax.nnx has none).
     """
     if inputs_kv is not None:
         if inputs_k is not None or inputs_v is not None:
@@ -625,7 +644,7 @@ def resolve_inputs(
             f"{owner}: the third positional argument is inputs_v, as in flax, and got a boolean array "
             f"of shape {jnp.shape(inputs_v)}; pass mask=..."
         )
-    if inputs_v.shape[-1] == inputs_v.shape[-2]:
+    if warn_square and inputs_v.shape[-1] == inputs_v.shape[-2]:
         warnings.warn(
             f"{owner}: inputs_v has shape {inputs_v.shape}, square in its last two axes; if it is a mask, "
             "pass mask=... (the function signature of MultiHeadDotProductAttention's `__call__` method "

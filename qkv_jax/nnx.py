@@ -24,6 +24,7 @@ linen `params` tree.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -47,6 +48,7 @@ from qkv_jax.modules import (
     flax_dot_product_attention,
     project_inputs,
     resolve_head_dim,
+    resolve_inputs,
 )
 
 Array = jax.Array
@@ -66,7 +68,40 @@ __all__ = [
 
 dot_product_attention = flax_dot_product_attention
 
+_OWNER = "qkv_jax.nnx.MultiHeadAttention"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+# MultiHeadAttention's settings checked as given (by `check_attention_settings`), then the others.
+_CHECKED_FIELDS = (
+    "num_heads",
+    "qkv_features",
+    "head_dim",
+    "num_kv_heads",
+    "v_head_dim",
+    "out_features",
+    "kv_latent_dim",
+    "dropout_rate",
+    "normalize_qk",
+    "absorb_latent",
+    "attention_fn",
+    "scale",
+    "attention_implementation",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+)
+_PLAIN_FIELDS = (
+    "in_features",
+    "dtype",
+    "param_dtype",
+    "broadcast_dropout",
+    "deterministic",
+    "precision",
+    "use_bias",
+    "decode",
+    "is_causal",
+    "force_fp32_for_softmax",
+    "sow_weights",
+)
 # flax.nnx.MultiHeadAttention's initializers.
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 _BIAS_INIT = nnx.initializers.zeros_init()
@@ -146,6 +181,36 @@ class MultiHeadAttention(nnx.Module):
     positions up to its own.
     """
 
+    # Set by `_settle` from the constructor's arguments (see `_CHECKED_FIELDS`, `_PLAIN_FIELDS`).
+    num_heads: int
+    in_features: int
+    qkv_features: int
+    out_features: int
+    in_kv_features: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    kv_latent_dim: int | None
+    dtype: Dtype | None
+    param_dtype: Dtype
+    broadcast_dropout: bool
+    dropout_rate: float
+    deterministic: bool | None
+    precision: PrecisionLike
+    use_bias: bool
+    attention_fn: Callable[..., Array]
+    decode: bool | None
+    normalize_qk: bool
+    absorb_latent: bool
+    is_causal: bool
+    scale: float | None
+    force_fp32_for_softmax: bool
+    sow_weights: bool
+    attention_implementation: str | None
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: tuple[str, ...]
+
     def __init__(
         self,
         num_heads: int,
@@ -197,91 +262,86 @@ class MultiHeadAttention(nnx.Module):
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] = ("query", "value"),
     ):
-        owner = "qkv_jax.nnx.MultiHeadAttention"
-        # The fields as given, checked by the same function as the linen module's.
-        self.num_heads = num_heads
-        self.qkv_features = qkv_features
-        self.head_dim = head_dim
-        self.num_kv_heads = num_kv_heads
-        self.v_head_dim = v_head_dim
-        self.out_features = out_features
-        self.kv_latent_dim = kv_latent_dim
-        self.dropout_rate = dropout_rate
-        self.normalize_qk = normalize_qk
-        self.absorb_latent = absorb_latent
-        self.attention_fn = attention_fn
-        self.scale = scale
-        self.attention_implementation = attention_implementation
-        self.qk_attn_weights_einsum_cls = None
-        self.attn_weights_value_einsum_cls = None
-        self.lora_rank, self.lora_alpha, self.lora_targets = lora_rank, lora_alpha, lora_targets
-        check_attention_settings(owner, self)
-        _check_positive(owner, in_features=in_features, in_kv_features=in_kv_features)
-        # Then resolved, as flax.nnx keeps them.
-        self.in_features = in_features
-        self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
-        self.head_dim = resolve_head_dim(owner, num_heads, head_dim, qkv_features, in_features)
-        self.v_head_dim = v_head_dim or self.head_dim
-        self.qkv_features = num_heads * self.head_dim
-        self.out_features = out_features if out_features is not None else in_features
-        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
-        self.dtype, self.param_dtype = dtype, param_dtype
-        self.broadcast_dropout = broadcast_dropout
-        self.deterministic = deterministic
-        self.precision = precision
-        self.use_bias = use_bias
-        self.decode = decode
-        self.is_causal = is_causal
-        self.force_fp32_for_softmax = force_fp32_for_softmax
-        self.sow_weights = sow_weights
+        given = types.SimpleNamespace(**{name: value for name, value in locals().items() if name != "self"})
+        self._settle(given)
+        self._build(given)
 
-        def projection(name: str, features_in: Any, features_out: Any, **options: Any) -> nnx.LinearGeneral:
-            is_out = name == "out"
-            options |= dict(
-                use_bias=use_bias,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                kernel_init=(out_kernel_init or kernel_init) if is_out else kernel_init,
-                bias_init=(out_bias_init or bias_init) if is_out else bias_init,
-                precision=precision,
-                promote_dtype=out_promote_dtype if is_out else qkv_promote_dtype,
-                dot_general=out_dot_general if is_out else qkv_dot_general,
-                dot_general_cls=out_dot_general_cls if is_out else qkv_dot_general_cls,
-                kernel_metadata=(out_kernel_metadata or kernel_metadata) if is_out else kernel_metadata,
-                bias_metadata=(out_bias_metadata or bias_metadata) if is_out else bias_metadata,
-                rngs=rngs,
-            )
-            if lora_rank and name in lora_targets:
-                return LoRALinearGeneral(
-                    features_in, features_out, rank=lora_rank, alpha=lora_alpha, **options
-                )
-            return nnx.LinearGeneral(features_in, features_out, **options)
+    def _settle(self, given: types.SimpleNamespace) -> None:
+        """The settings: checked as given (by the linen module's checks), then resolved as
+        flax.nnx keeps them (`qkv_features`, `out_features`, `num_kv_heads` filled in)."""
+        for name in _CHECKED_FIELDS:
+            setattr(self, name, getattr(given, name))
+        self.qk_attn_weights_einsum_cls = self.attn_weights_value_einsum_cls = None
+        check_attention_settings(_OWNER, self)
+        _check_positive(_OWNER, in_features=given.in_features, in_kv_features=given.in_kv_features)
+        for name in _PLAIN_FIELDS:
+            setattr(self, name, getattr(given, name))
+        self.in_kv_features = given.in_kv_features or given.in_features
+        self.head_dim = resolve_head_dim(
+            _OWNER, given.num_heads, given.head_dim, given.qkv_features, given.in_features
+        )
+        self.v_head_dim = given.v_head_dim or self.head_dim
+        self.qkv_features = given.num_heads * self.head_dim
+        self.out_features = given.out_features or given.in_features
+        self.num_kv_heads = given.num_kv_heads or given.num_heads
 
-        # flax.nnx's order of draws from rngs: query, key, value, (query_ln, key_ln,) out.
-        self.query = projection("query", in_features, (num_heads, self.head_dim))
+    def _projection(
+        self, given: types.SimpleNamespace, name: str, features_in: Any, features_out: Any, **options
+    ):
+        """The `nnx.LinearGeneral` projection `name` (W_O with `out_*` options), with a LoRA
+        adapter when `name` is one of `lora_targets`."""
+        out = name == "out"
+        options |= dict(
+            use_bias=given.use_bias,
+            dtype=given.dtype,
+            param_dtype=given.param_dtype,
+            kernel_init=(given.out_kernel_init or given.kernel_init) if out else given.kernel_init,
+            bias_init=(given.out_bias_init or given.bias_init) if out else given.bias_init,
+            precision=given.precision,
+            promote_dtype=given.out_promote_dtype if out else given.qkv_promote_dtype,
+            dot_general=given.out_dot_general if out else given.qkv_dot_general,
+            dot_general_cls=given.out_dot_general_cls if out else given.qkv_dot_general_cls,
+            kernel_metadata=(given.out_kernel_metadata or given.kernel_metadata)
+            if out
+            else given.kernel_metadata,
+            bias_metadata=(given.out_bias_metadata or given.bias_metadata) if out else given.bias_metadata,
+            rngs=given.rngs,
+        )
+        if given.lora_rank and name in given.lora_targets:
+            adapter = dict(rank=given.lora_rank, alpha=given.lora_alpha)
+            return LoRALinearGeneral(features_in, features_out, **adapter, **options)
+        return nnx.LinearGeneral(features_in, features_out, **options)
+
+    def _build(self, given: types.SimpleNamespace) -> None:
+        """The sub-modules, drawn from `given.rngs` in flax.nnx's order (query, key, value,
+        query_ln, key_ln, out; MLA's kv_latent after the query), the kept dropout stream, and the
+        empty cache slots."""
+        heads, kv_heads, key_in = (self.num_heads, self.head_dim), self.num_kv_heads, self.in_kv_features
+        self.query = self._projection(given, "query", self.in_features, heads)
         self.kv_latent: nnx.LinearGeneral | None = nnx.data(None)
-        key_in = self.in_kv_features
-        if kv_latent_dim is not None:
-            self.kv_latent = projection("kv_latent", self.in_kv_features, kv_latent_dim)
-            key_in = kv_latent_dim
-        self.key = projection("key", key_in, (self.num_kv_heads, self.head_dim))
-        self.value = projection("value", key_in, (self.num_kv_heads, self.v_head_dim))
+        if self.kv_latent_dim is not None:
+            self.kv_latent = self._projection(given, "kv_latent", key_in, self.kv_latent_dim)
+            key_in = self.kv_latent_dim
+        self.key = self._projection(given, "key", key_in, (kv_heads, self.head_dim))
+        self.value = self._projection(given, "value", key_in, (kv_heads, self.v_head_dim))
         self.query_ln: nnx.LayerNorm | None = nnx.data(None)
         self.key_ln: nnx.LayerNorm | None = nnx.data(None)
-        if normalize_qk:
+        if self.normalize_qk:
             norm = functools.partial(
                 nnx.LayerNorm,
                 self.head_dim,
                 use_bias=False,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                promote_dtype=ln_promote_dtype,
-                rngs=rngs,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                promote_dtype=given.ln_promote_dtype,
+                rngs=given.rngs,
             )
-            self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
-            self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
-        self.out = projection("out", (num_heads, self.v_head_dim), self.out_features, axis=(-2, -1))
-        self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
+            self.query_ln = norm(scale_metadata=given.query_ln_scale_metadata)
+            self.key_ln = norm(scale_metadata=given.key_ln_scale_metadata)
+        self.out = self._projection(
+            given, "out", (self.num_heads, self.v_head_dim), self.out_features, axis=(-2, -1)
+        )
+        self.rngs = given.rngs.dropout.fork() if given.keep_rngs and self.dropout_rate > 0 else None
         for name in self._cache_names():
             setattr(self, f"cached_{name}", nnx.data(None))
         self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -360,56 +420,19 @@ class MultiHeadAttention(nnx.Module):
         qkv_sharding: Any = None,
         head_mask: Array | None = None,
     ) -> Array:
-        owner = "qkv_jax.nnx.MultiHeadAttention"
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError(
-                    f"{owner}: `inputs_k` cannot be None if `inputs_v` is not None. Pass the one input "
-                    "of keys and values as inputs_k"
-                )
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
-        _check_inputs(owner, "inputs_q", inputs_q)
+        inputs_k, inputs_v = resolve_inputs(_OWNER, inputs_q, inputs_k, inputs_v, None, warn_square=False)
+        _check_inputs(_OWNER, "inputs_q", inputs_q)
         if inputs_q.shape[-1] != self.in_features:
             raise ValueError(
-                f"{owner}: inputs_q has {inputs_q.shape[-1]} features (shape {inputs_q.shape}), "
+                f"{_OWNER}: inputs_q has {inputs_q.shape[-1]} features (shape {inputs_q.shape}), "
                 f"in_features={self.in_features}"
             )
         layers = self._layers(qkv_sharding, out_sharding)
         query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
-        decode = first_from(
-            decode, self.decode, error_msg=f"{owner}: pass decode to the constructor or the call"
-        )
         fits = start = None
-        if decode:
-            if self.cache_index is None:
-                raise ValueError(f"{owner}: the decode cache is not initialized; call init_cache first")
-            cached = {name: getattr(self, f"cached_{name}")[...] for name in entries}
-            start = self.cache_index[...]
-            written, self.cache_index[...], fits = append_to_cache(
-                owner, cached, start, entries, axis=inputs_k.ndim - 2
-            )
-            for name, value in written.items():
-                getattr(self, f"cached_{name}")[...] = value
-            entries = written
-        dropout_rng = None
-        if self.dropout_rate > 0.0:  # flax.nnx's rule: `deterministic` is needed only with dropout
-            deterministic = first_from(
-                deterministic,
-                self.deterministic,
-                error_msg=f"{owner}: pass deterministic to the constructor or the call",
-            )
-            if not deterministic:
-                stream = self.rngs if rngs is None else rngs
-                if stream is None:
-                    raise ValueError(
-                        f"{owner}: dropout needs rngs= in the call when the module keeps none "
-                        "(keep_rngs=False)"
-                    )
-                dropout_rng = (stream.dropout if isinstance(stream, nnx.Rngs) else stream)()
-        else:
-            deterministic = True
+        if first_from(decode, self.decode, error_msg=f"{_OWNER}: pass decode to the constructor or the call"):
+            entries, fits, start = self._cached(entries, axis=inputs_k.ndim - 2)
+        deterministic, dropout_rng = self._dropout(deterministic, rngs)
         return attend_entries(
             self,
             layers,
@@ -424,6 +447,37 @@ class MultiHeadAttention(nnx.Module):
             dropout_rng=dropout_rng,
             sow_module=self if sow_weights or self.sow_weights else None,
         )
+
+    def _cached(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Array], Array, Array]:
+        """The cache with `entries` appended: (all cached entries, whether they fit, the index of the
+        first new position); the cache variables are updated."""
+        if self.cache_index is None:
+            raise ValueError(f"{_OWNER}: the decode cache is not initialized; call init_cache first")
+        cached = {name: getattr(self, f"cached_{name}")[...] for name in entries}
+        start = self.cache_index[...]
+        written, self.cache_index[...], fits = append_to_cache(_OWNER, cached, start, entries, axis)
+        for name, value in written.items():
+            getattr(self, f"cached_{name}")[...] = value
+        return written, fits, start
+
+    def _dropout(self, deterministic: bool | None, rngs: Any) -> tuple[bool, Array | None]:
+        """flax.nnx's rule: `deterministic` (the call's, else the constructor's) is needed only with
+        dropout; the key comes from the call's `rngs`, else the kept stream."""
+        if self.dropout_rate == 0.0:
+            return True, None
+        deterministic = first_from(
+            deterministic,
+            self.deterministic,
+            error_msg=f"{_OWNER}: pass deterministic to the constructor or the call",
+        )
+        if deterministic:
+            return True, None
+        stream = self.rngs if rngs is None else rngs
+        if stream is None:
+            raise ValueError(
+                f"{_OWNER}: dropout needs rngs= in the call when the module keeps none (keep_rngs=False)"
+            )
+        return False, (stream.dropout if isinstance(stream, nnx.Rngs) else stream)()
 
 
 class TransformerBlock(nnx.Module):
