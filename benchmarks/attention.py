@@ -4,6 +4,7 @@ r"""Attention time and memory: our paths against jax.nn, Flax and PyTorch.
   python benchmarks/attention.py                            # the full CPU run (1-2 hours on 2 cores)
   python benchmarks/attention.py --lengths 128,512 --quick  # a few minutes
   python benchmarks/attention.py --tune-blocks --lengths 1024,2048
+  python benchmarks/attention.py --window                   # local window vs full causal (minutes)
   python benchmarks/attention.py --gpu [--dry-run]          # benchmarks/gpu.sh; --dry-run: tiny, any device
   python benchmarks/attention.py --gpu-check [--dry-run] [--out FILE]  # benchmarks/gpu_check.sh
 
@@ -63,9 +64,16 @@ TFLOP/s and the share of the H200's dense peak per cell; new cases stop after
 --budget-s. --gpu-check: every kind of call the dispatch rule sends to cuDNN,
 outputs and gradients against the reference path on the device.
 
+Local-window run (--window): the chunked path, causal, with
+`local_window_size=(256, 0)` against without, B1 N8 H64 float32 at T = S in
+--lengths (default 2048, 8192), forward and forward+backward, in this one
+process: the window's tiles are all the kernel computes, so its cost grows as
+T x 256 instead of T^2 / 2. Each timed region queues 3 calls; medians over 5
+interleaved rounds.
+
 Writes benchmarks/results/attention.json (attention_blocks.json with
---tune-blocks, attention_gpu.json with --gpu); `python -m benchmarks.report`
-renders docs/benchmarks.md from them.
+--tune-blocks, attention_gpu.json with --gpu, attention_window.json with
+--window); `python -m benchmarks.report` renders docs/benchmarks.md from them.
 """
 
 from __future__ import annotations
@@ -652,6 +660,102 @@ def library_user_main(args) -> None:
     print(f"wrote {path.relative_to(ROOT)}")
 
 
+# ----------------------------------------------------------------------------- local windows
+
+WINDOW_LENGTHS = [2048, 8192]
+WINDOW = (256, 0)  # with causal: each query sees itself and the 256 keys before it
+WINDOW_BATCH, WINDOW_HEADS = 1, 8  # B1 N8 H64: the full causal fwd+bwd at T 8192 takes seconds on 2 cores
+WINDOW_CALLS = 3  # calls per timed region, queued back to back
+WINDOW_ROUNDS = 5  # timed regions per case, interleaved; the median is reported
+
+
+def window_runner(T: int, windowed: bool, pass_: str):
+    """WINDOW_CALLS calls of the chunked path, causal, with or without WINDOW, then a wait."""
+    import functools
+
+    import jax
+
+    import qkv_jax
+
+    attend = functools.partial(
+        qkv_jax.dot_product_attention,
+        is_causal=True,
+        local_window_size=WINDOW if windowed else None,
+        implementation="chunked",
+    )
+    step = jax_step(attend, pass_)
+    inputs = jax_inputs(T, T, batch=WINDOW_BATCH, heads=WINDOW_HEADS)
+
+    def run():
+        for _ in range(WINDOW_CALLS):
+            result = step(*inputs)
+        jax.block_until_ready(result)
+
+    return run
+
+
+def window_pairs(T: int, windowed: bool) -> int:
+    """(query, key) pairs a causal query set attends, with or without WINDOW."""
+    left = WINDOW[0] if windowed else T
+    return sum(min(t, left) + 1 for t in range(T))
+
+
+def window_report(times: dict, lengths: list[int]) -> tuple[list[str], dict, list[dict]]:
+    """Markdown rows, ratios and records from the times of each (T, pass, windowed) region."""
+    lines = [
+        f"| T = S | pass | full causal | causal, window {WINDOW} | full / window | window GFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    ratios, records = {}, []
+    for T in lengths:
+        for pass_ in PASSES:
+            full, windowed = (statistics.median(times[(T, pass_, w)]) / WINDOW_CALLS for w in (False, True))
+            flops = 4.0 * WINDOW_BATCH * WINDOW_HEADS * HEAD_DIM * window_pairs(T, True)
+            flops *= 3.5 if pass_ == "fwd+bwd" else 1.0
+            lines.append(
+                f"| {T} | {pass_} | {1e3 * full:.1f} ms | {1e3 * windowed:.1f} ms | {full / windowed:.2f} | "
+                f"{flops / windowed / 1e9:.1f} |"
+            )
+            ratios[f"T={T} {pass_}: full causal / window {WINDOW}"] = full / windowed
+            region_s = {name: times[(T, pass_, w)] for name, w in (("full", False), ("window", True))}
+            records.append(dict(T=T, pass_=pass_, calls_per_region=WINDOW_CALLS, region_times_s=region_s))
+    return lines, ratios, records
+
+
+def window_main(args) -> None:
+    """The chunked path with a causal local window against full causal attention (it skips
+    the tiles outside the window, forward and backward), in this process."""
+    load = [os.getloadavg()[0]]  # other work on the machine slows both sides alike
+    runners = {
+        (T, pass_, windowed): window_runner(T, windowed, pass_)
+        for T in args.lengths
+        for pass_ in PASSES
+        for windowed in (False, True)
+    }
+    times = interleaved_medians(runners, WINDOW_ROUNDS, group=2)  # each (T, pass): full, window
+    load.append(os.getloadavg()[0])
+    lines, ratios, records = window_report(times, args.lengths)
+    intro = (
+        f'B{WINDOW_BATCH} N{WINDOW_HEADS} H{HEAD_DIM} float32, `implementation="chunked"`, causal, with and '
+        f"without `local_window_size={WINDOW}`, default tiles; time per call, the median over "
+        f"{WINDOW_ROUNDS} interleaved rounds of {WINDOW_CALLS} calls each (forward+backward: the "
+        "jitted gradient of half the output's squared norm). GFLOP/s count the window's allowed "
+        f"pairs (4 B N H each, 3.5x that forward+backward). The 1-minute load average was {load[0]:.1f} "
+        f"at the start and {load[1]:.1f} at the end, on {cpu_threads()} cores: other processes slowed "
+        "both columns, interleaved round by round, so the ratios hold better than the times."
+    )
+    print("\n".join([intro, "", *lines]))
+    command = "python benchmarks/attention.py --window " + " ".join(
+        a for a in sys.argv[1:] if a != "--window"
+    )
+    title = "Chunked attention with a local window on CPU" + (
+        "" if args.name == args.default_name else f" ({args.name})"
+    )
+    data = {"title": title, "records": records, "load_average": load, "table": [intro, "", *lines]}
+    path = write_results(args.name, command.strip(), {**data, "ratios": ratios})
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
 # ----------------------------------------------------------------------------- tile sizes
 
 
@@ -814,15 +918,17 @@ def gpu_cases(dry_run: bool) -> list[GpuCase]:
 def jax_masking(case: GpuCase, ours: bool) -> dict:
     """Keyword arguments of the case's masking, for qkv_jax (`ours`) or for jax.nn.
 
-    jax.nn's causal triangle is top-left aligned: with T != S it gets qkv_jax's
-    bottom-right triangle as a boolean mask (which cuDNN then reads as a bias).
+    Causal with T != S is aligned bottom-right (the queries as the last T of the S keys, as
+    when decoding; torch's `causal_lower_right`): qkv_jax's `query_offset=S - T`, and for
+    jax.nn, whose causal mask is top-left, that triangle as a boolean mask (which cuDNN then
+    reads as a bias).
     """
     import jax
     import jax.numpy as jnp
 
     import qkv_jax
 
-    kwargs: dict = {"is_causal": case.causal}
+    kwargs: dict = {"is_causal": case.causal, **({"query_offset": case.S - case.T} if ours else {})}
     shape = (case.batch, 1, case.T, case.S)
     if case.masking == "lengths":
         kwargs["key_value_seq_lengths"] = jnp.asarray(case.key_lengths(), jnp.int32)
@@ -831,7 +937,8 @@ def jax_masking(case: GpuCase, ours: bool) -> dict:
     elif case.masking == "mask":
         kwargs["mask"] = jax.random.bernoulli(jax.random.PRNGKey(1), 0.9, shape)
     if case.causal and case.T != case.S and not ours:
-        kwargs.update(is_causal=False, mask=qkv_jax.causal_mask(case.T, case.S)[None, None])
+        bottom_right = qkv_jax.causal_mask(case.T, case.S, query_offset=case.S - case.T)  # (T, S)
+        kwargs.update(is_causal=False, mask=bottom_right[None, None])
     return kwargs
 
 
@@ -852,7 +959,11 @@ def jax_gpu_step(case: GpuCase, impl: str):
             qkv_jax.dot_product_attention, implementation=implementation, precision=precision, **masking
         )
         path = implementation or qkv_jax.select_implementation(
-            *inputs, mask=masking.get("mask"), bias=masking.get("bias"), is_causal=case.causal
+            *inputs,
+            masking.get("bias"),
+            masking.get("mask"),
+            is_causal=case.causal,
+            query_offset=masking["query_offset"],
         )
     else:
         backend = "cudnn" if impl == "cudnn" else "xla"
@@ -1059,7 +1170,9 @@ def gpu_main(args) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CheckCase:
-    """A kind of call `select_implementation` sends to cuDNN on a GPU."""
+    """A kind of call `select_implementation` sends to cuDNN on a GPU, or (`explicit`) one it does
+    not send there yet, asked for with `implementation="cudnn"`, whose meaning on cuDNN is to be
+    proven equal to the reference's before the rule may send it."""
 
     name: str
     batch: tuple[int, ...]
@@ -1075,18 +1188,28 @@ class CheckCase:
     query_lengths: tuple | None = None
     key_lengths: tuple | None = None
     nan_beyond_lengths: bool = False  # NaN keys past each key length: must not leak
+    bottom_right: bool = False  # query_offset = S - T (cuDNN gets the causal mask as a bias)
+    window: tuple[int, int] | None = None  # local_window_size
+    segments: bool = False  # packed segment ids (two segments per example, one id the keys lack)
+    explicit: bool = False  # implementation="cudnn": the rule does not choose cuDNN for it (yet)
 
 
 def cudnn_check_cases(dry_run: bool) -> list[CheckCase]:
     """Every kind of call the rule routes to cuDNN: dtypes, head depths, GQA/MQA, causal with
-    T = S, T < S and T > S, masks and biases of each broadcast shape, lengths (zero ones
-    too), their mixtures, batch layouts, a decode step, and NaN in the padding."""
+    T = S, T < S and T > S (jax.nn's top-left, cuDNN's own mask) and bottom-right (a bias),
+    masks and biases of each broadcast shape, lengths (zero ones too), their mixtures, batch
+    layouts, a decode step, and NaN in the padding. Then the calls the rule keeps away from
+    cuDNN until they pass here: local windows (those jax.nn hands cuDNN as its sliding window,
+    and one folded into the bias) and segment ids (a bias), asked for explicitly."""
     T, S, H = (8, 12, 8) if dry_run else (256, 512, 64)
+    window = 3 if dry_run else 64
     return [
         CheckCase("causal T = S, GQA, H 128", (2,), S, S, 8, 2, 8 if dry_run else 128, causal=True),
         CheckCase("full, MQA, float16", (2,), T, S, 4, 1, H, dtype="float16"),
         CheckCase("causal T < S", (2,), T, S, 4, 4, H, causal=True),
         CheckCase("causal T > S", (2,), S, T, 4, 2, H, causal=True),
+        CheckCase("causal T < S, bottom-right (a bias)", (2,), T, S, 4, 2, H, causal=True, bottom_right=True),
+        CheckCase("causal T > S, bottom-right (a bias)", (2,), S, T, 4, 2, H, causal=True, bottom_right=True),
         CheckCase("mask [B, 1, T, S]", (2,), T, S, 4, 2, H, mask=(2, 1, T, S)),
         CheckCase("mask [T, S], causal", (2,), S, S, 4, 2, H, causal=True, mask=(S, S)),
         CheckCase("mask [B, N, T, S]", (2,), T, S, 4, 2, H, mask=(2, 4, T, S)),
@@ -1134,6 +1257,31 @@ def cudnn_check_cases(dry_run: bool) -> list[CheckCase]:
             key_lengths=(S // 2, S - 2),
             nan_beyond_lengths=True,
         ),
+        # Not chosen by the rule yet: cuDNN's meaning of these is what this run checks.
+        CheckCase("window (w, 0)", (2,), S, S, 4, 2, H, window=(window, 0), explicit=True),
+        CheckCase(
+            "causal window (w, 0)", (2,), S, S, 4, 2, H, causal=True, window=(window, 0), explicit=True
+        ),
+        CheckCase(
+            "causal window (w, 0), T < S", (2,), T, S, 4, 2, H, causal=True, window=(window, 0), explicit=True
+        ),
+        CheckCase(
+            "causal window (w, 3)", (2,), S, S, 4, 2, H, causal=True, window=(window, 3), explicit=True
+        ),
+        CheckCase("window (w, w): a bias", (2,), T, S, 4, 2, H, window=(window, window), explicit=True),
+        CheckCase("segments, causal: a bias", (2,), S, S, 4, 2, H, causal=True, segments=True, explicit=True),
+        CheckCase(
+            "segments, key lengths: a bias",
+            (2,),
+            T,
+            S,
+            4,
+            2,
+            H,
+            segments=True,
+            key_lengths=(S, S // 2),
+            explicit=True,
+        ),
     ]
 
 
@@ -1165,6 +1313,13 @@ def check_inputs(case: CheckCase, seed: int = 0):
     if case.nan_beyond_lengths:
         beyond = np.arange(case.S)[None, :] >= np.array(case.key_lengths)[:, None]  # (B, S)
         key = jnp.where(jnp.asarray(beyond)[:, :, None, None], jnp.nan, key)
+    kwargs["query_offset"] = case.S - case.T if case.bottom_right else 0
+    if case.window is not None:
+        kwargs["local_window_size"] = case.window
+    if case.segments:  # batch (2,): two packed segments per example, split at n/3 and at 2n/3
+        for name, n in (("query_segment_ids", case.T), ("key_segment_ids", case.S)):
+            kwargs[name] = (np.arange(n)[None, :] >= np.array([[n // 3], [2 * n // 3]])).astype(np.int32)
+        kwargs["key_segment_ids"][:, -1] = 7  # an id no query holds
     return (query, key, value), kwargs
 
 
@@ -1179,10 +1334,10 @@ def check_one(case: CheckCase, on_gpu: bool) -> dict:
     import qkv_jax
 
     inputs, kwargs = check_inputs(case)
-    rule = qkv_jax.select_implementation(
-        *inputs, mask=kwargs.get("mask"), bias=kwargs.get("bias"), is_causal=case.causal, platform="gpu"
-    )
-    implementation = None if on_gpu else "xla"  # on CPU: the same "xla" path, jax.nn's XLA kernel
+    selecting = {k: v for k, v in kwargs.items() if k not in ("query_seq_lengths", "key_value_seq_lengths")}
+    rule = qkv_jax.select_implementation(*inputs, **selecting, platform="gpu")
+    asked = "cudnn" if case.explicit else None
+    implementation = asked if on_gpu else "xla"  # on CPU: the same call through jax.nn's XLA kernel
 
     def run(implementation, *inputs):
         def loss(*inputs):
@@ -1209,7 +1364,7 @@ def check_one(case: CheckCase, on_gpu: bool) -> dict:
         )
     result["gradient_errors"] = errors
     result["ok"] = (
-        rule == "xla"
+        (rule != "cudnn" if case.explicit else rule == "cudnn")
         and (result["cudnn_in_program"] or not on_gpu)
         and result["output_error"] <= out_tol
         and result["output_nan_pattern_ok"]
@@ -1219,9 +1374,10 @@ def check_one(case: CheckCase, on_gpu: bool) -> dict:
 
 
 def gpu_check_main(args) -> None:
-    """Every kind of call the rule sends to cuDNN, checked against the reference on this
-    device (benchmarks/gpu_check.sh). On CPU (--dry-run): the same calls through the
-    "xla" path's jax.nn XLA kernel at tiny sizes. Exits 1 if any case fails."""
+    """Every kind of call the rule sends to cuDNN, and the windows and segment ids it does not
+    send there yet (asked for as `implementation="cudnn"`), checked against the reference on
+    this device (benchmarks/gpu_check.sh). On CPU (--dry-run): the same calls through jax.nn's
+    XLA kernel ("xla") at tiny sizes. Exits 1 if any case fails."""
     import jax
 
     on_gpu = jax.default_backend() == "gpu"
@@ -1229,8 +1385,6 @@ def gpu_check_main(args) -> None:
         raise SystemExit("--gpu-check needs a GPU (jax.default_backend() is not 'gpu'); add --dry-run on CPU")
     results = []
     for case in cudnn_check_cases(args.dry_run):
-        if not on_gpu and case.dtype == "float16":  # XLA:CPU has no float16 dot for jax.nn
-            case = dataclasses.replace(case, dtype="bfloat16")
         try:
             result = check_one(case, on_gpu)
         except Exception as error:  # noqa: BLE001 - report every case, then fail
@@ -1273,6 +1427,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--tune-blocks", action="store_true", help="time the chunked path's tile sizes")
     parser.add_argument(
+        "--window",
+        action="store_true",
+        help="the chunked path with a causal local window against full causal",
+    )
+    parser.add_argument(
         "--library-user", action="store_true", help="qkv_jax, jax.nn and torch SDPA in this one process"
     )
     parser.add_argument(
@@ -1299,12 +1458,16 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"--impls: unknown {unknown}; choose from {list(CPU_IMPLS)}")
     args.default_name = (
-        "attention"
+        "attention_window"
+        if args.window
+        else "attention"
         if not args.library_user
         else "attention_library_user" + ("_shard_map" if args.shard_map else "")
     )
     if args.name is None:
         args.name = args.default_name
+    if args.lengths is None and args.window:
+        args.lengths = WINDOW_LENGTHS
     if args.lengths is None and args.library_user:
         args.lengths = LIBRARY_QUICK_LENGTHS if args.quick else LIBRARY_LENGTHS
     if args.lengths is None:
@@ -1335,6 +1498,8 @@ def main() -> None:
         gpu_check_main(args)
     elif args.library_user:
         library_user_main(args)
+    elif args.window:
+        window_main(args)
     elif args.gpu:
         gpu_main(args)
     elif args.tune_blocks:

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run (under 10 minutes on an H200), results under $OUT:
 #   1. the wheels the GPU machine lacks, installed as ../shared/tools/gpu-prep prepared them;
-#   2. the test suite on the GPU: pytest -n 8 -m "not slow" tests       ($OUT/pytest.txt);
-#   3. every kind of call the dispatch rule sends to cuDNN, outputs and gradients against the
-#      reference path on the GPU (benchmarks/attention.py --gpu-check)  ($OUT/cudnn_check.*);
+#   2. the test suite on the GPU: pytest -n 8 -m "not slow" tests       ($OUT/pytest.txt),
+#      then jax's own dot_product_attention tests against qkv_jax, cuDNN cases included
+#      (tests/peers/test_jax_nn_attention.py)                              ($OUT/pytest_peers.txt);
+#   3. every kind of call the dispatch rule sends to cuDNN, and the local windows and segment
+#      ids it keeps from cuDNN until they pass here (asked for as implementation="cudnn"),
+#      outputs and gradients against the reference path on the GPU
+#      (benchmarks/attention.py --gpu-check)                                ($OUT/cudnn_check.*);
 #   4. bash benchmarks/gpu.sh: attention and LM benchmarks, docs/benchmarks.md
 #      ($OUT/results/*.json, $OUT/benchmarks.md, $OUT/gpu_sh.txt).
 # Exits non-zero if the tests or the cuDNN check failed (every step runs regardless).
@@ -49,6 +53,16 @@ timeout 200 python3 -m pytest -q "${tests[@]}" >"$OUT/pytest.txt" 2>&1
 rc=$?
 tail -n 15 "$OUT/pytest.txt"
 if ((rc != 0)); then echo "tests: exit $rc"; status=1; fi
+
+echo "== jax's dot_product_attention tests against qkv_jax (timeout 90 s)"
+if [[ ${#dry_run[@]} -eq 0 ]]; then
+  timeout 90 python3 -m pytest -q -n 8 tests/peers/test_jax_nn_attention.py >"$OUT/pytest_peers.txt" 2>&1
+  rc=$?
+  tail -n 5 "$OUT/pytest_peers.txt"
+  if ((rc != 0)); then echo "peer tests: exit $rc"; status=1; fi
+else
+  echo "skipped in a dry run (minutes on CPU, where jax skips its cuDNN cases)"
+fi
 
 echo "== cuDNN cases against the reference (timeout 90 s)"
 timeout 90 python3 benchmarks/attention.py --gpu-check --out "$OUT/cudnn_check.json" "${dry_run[@]}" \
