@@ -79,6 +79,13 @@ CASES = {
         dict(local_window_size=(1, 2), query_offset=1, sinks=(2,), bias=True),
     ),
 }
+# Every argument on every path in the fast tier; the other cases with `-m slow`.
+FAST_CASES = (
+    "window 1, T > S: rows past the keys see none",
+    "causal window (3, 0), offsets per example",
+    "segments, causal, lengths, mask, bias, 2-d batch",
+    "sinks [B, N], causal window, offsets, segments, soft cap",
+)
 SEGMENTS = {  # per T or S: ids of the first and the second example
     6: [[0, 0, 1, 1, 1, 3], [0, 1, 1, 1, 1, 1]],
     7: [[0, 0, 0, 1, 1, 3, 5], [1, 1, 1, 1, 2, 2, 2]],  # id 5: no key holds it; id 2 absent: empty
@@ -157,6 +164,11 @@ def tiled(query, key, value, bias=None, mask=None, **kwargs):
 PATHS = ["reference", "chunked 2x3 tiles", "xla"]
 
 
+def with_slow(names, fast):
+    """`names` as pytest parameters, those not in `fast` marked slow."""
+    return [pytest.param(n, marks=() if n in fast else pytest.mark.slow) for n in names]
+
+
 def attend_fn(path):
     if path == "chunked 2x3 tiles":
         return tiled
@@ -187,7 +199,7 @@ def results_fn(path, case):
     return lambda query, key, value, kwargs: grad(query, key, value, {k: kwargs[k] for k in differentiable})
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", with_slow(CASES, FAST_CASES))
 @pytest.mark.parametrize("path", PATHS)
 def test_outputs_residuals_and_gradients(path, case):
     """Outputs and residuals against float64 NumPy; gradients against the reference path's."""
@@ -247,6 +259,7 @@ def test_reference_gradients_by_finite_differences():
         check_grads(attend, args, order=1, modes=["fwd", "rev"], eps=1e-5)
 
 
+@pytest.mark.slow  # the chunked path's gradients equal the reference path's in the fast tier
 def test_chunked_gradients_by_finite_differences():
     query, key, value, kwargs = make_case("unbatched: window, offset, sinks, bias")
     bias, sinks = kwargs.pop("bias"), kwargs.pop("sinks")
@@ -343,7 +356,7 @@ SKIPPING = {
 }
 
 
-@pytest.mark.parametrize("case", SKIPPING)
+@pytest.mark.parametrize("case", with_slow(SKIPPING, set(SKIPPING) - {"none", "causal window (8, 0)"}))
 def test_chunked_computes_only_the_tiles_it_needs(monkeypatch, case):
     """Forward and backward, the kernel computes exactly the tiles that hold a pair some query
     may attend: cost T x window under a window, not T x S."""
@@ -398,7 +411,7 @@ DROP_IN = {
 
 
 @pytest.mark.parametrize("case", DROP_IN)
-@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked"])
+@pytest.mark.parametrize("implementation", with_slow(["reference", "xla", "chunked"], {"chunked"}))
 def test_drop_in_for_jax_nn(implementation, case):
     """The same positional call (query, key, value, bias, mask) and keywords give jax.nn's
     output, residual and gradients."""
