@@ -351,6 +351,11 @@ SKIPPING = {
     "causal window (8, 0)": (64, 64, dict(is_causal=True, local_window_size=(8, 0))),
     "causal window (8, 0), T 128": (128, 128, dict(is_causal=True, local_window_size=(8, 0))),
     "window (5, 3), offset S - T": (32, 64, dict(local_window_size=(5, 3), query_offset=32)),
+    "causal window (5, 0), offsets per example": (
+        32,
+        64,
+        dict(is_causal=True, local_window_size=(5, 0), query_offset=np.array([32, 24])),
+    ),
     "lengths": (64, 64, dict(key_value_seq_lengths=np.array([20, 33]), query_seq_lengths=np.array([40, 40]))),
     "packed segments": (64, 64, dict(segments=[0] * 12 + [1] * 20 + [2] * 9 + [3] * 23)),
 }
