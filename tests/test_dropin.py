@@ -85,7 +85,7 @@ def test_linen_same_outputs_sown_weights_and_gradients(linen_pair):
     for model in (flax_model, ours):
         output, state = model.apply(variables, X, MEMORY, train=False, sow=True, mutable=["intermediates"])
         loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, X, MEMORY, train=False) ** 2)  # noqa: E731
-        results.append((output, state["intermediates"], jax.grad(loss)(variables["params"])))
+        results.append((output, state["intermediates"], jax.jit(jax.grad(loss))(variables["params"])))
     assert_trees_close(results[0][:2], results[1][:2], atol=1e-6)
     for theirs, mine in zip(jax.tree.leaves(results[0][2]), jax.tree.leaves(results[1][2]), strict=True):
         # Float32 sums of many terms: 1e-6 of each gradient's largest entry (up to ~30 here), and
