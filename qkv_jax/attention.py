@@ -77,8 +77,9 @@ CHUNKED_MIN_KEYS = 64
 _alignment_warned = False
 
 
-def _warn_alignment(T: int, S: int, owner: str) -> None:
-    """The one FutureWarning per process about causal masks with T != S changing alignment."""
+def _warn_alignment(T: int, S: int, owner: str, stacklevel: int) -> None:
+    """The one FutureWarning per process about causal masks with T != S changing alignment;
+    `stacklevel` counts from this function to the user's call."""
     global _alignment_warned
     if _alignment_warned:
         return
@@ -89,7 +90,7 @@ def _warn_alignment(T: int, S: int, owner: str) -> None:
         f"the last T of the S positions). Pass query_offset=S - T (here {S - T}) for the old "
         f"alignment, or query_offset=0 to keep the new one without this warning.",
         FutureWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 
@@ -112,7 +113,7 @@ def causal_mask(T: int, S: int | None = None, *, query_offset: int | None = None
             raise ValueError(f"causal_mask: {name} must be a positive int, got {n!r}")
     if query_offset is None:
         if T != S:
-            _warn_alignment(T, S, "causal_mask")
+            _warn_alignment(T, S, "causal_mask", stacklevel=3)
         query_offset = 0
     if not _is_int(query_offset):
         raise ValueError(f"causal_mask: query_offset must be an int, got {query_offset!r}")
@@ -1025,7 +1026,7 @@ def _static_offset(query_offset: Any, is_causal: bool, query: Any, key: Any) -> 
         if is_causal and np.ndim(query) >= 3 and np.ndim(key) >= 3:  # else _validate names the rank
             T, S = np.shape(query)[-3], np.shape(key)[-3]
             if T != S:
-                _warn_alignment(T, S, "dot_product_attention")
+                _warn_alignment(T, S, "dot_product_attention", stacklevel=4)
         return 0, None
     if _is_int(query_offset):
         return int(query_offset), None
