@@ -13,15 +13,18 @@ Flax modules:    StaticAttention, SelfAttentionV1, SelfAttention,
 Language model:  TransformerConfig, TransformerBlock, TransformerLM, generate, init_cache
 Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
 Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
-                 weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.tasks
-                 (synthetic tasks), qkv_jax.text (character corpus), qkv_jax.plots
-                 (matplotlib figures; imported on use), qkv_jax.lora (LoRA
-                 adapters, merge_lora), qkv_jax.finetune (K/V head conversion,
-                 head ablation masks), qkv_jax.training (the training loop,
-                 sweeps and checkpoints behind experiments/)
+                 weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.text
+                 (character corpus), qkv_jax.lora (LoRA adapters, merge_lora),
+                 qkv_jax.finetune (K/V head conversion, head ablation masks)
+Imported on use: qkv_jax.nnx (native flax.nnx MultiHeadAttention and
+                 TransformerLM; flax.nnx imports optax), qkv_jax.interpretability
+                 (activation caches, patching, attribution, circuits),
+                 qkv_jax.plots (matplotlib figures), qkv_jax.training (the
+                 trainer), qkv_jax.tasks (the built-in tasks), qkv_jax.studies
+                 (sweeps and studies), qkv_jax.report (report.json, report.html)
 """
 
-from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, tasks, text
+from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, text
 from qkv_jax.attention import (
     causal_mask,
     combine_masks,
@@ -72,6 +75,5 @@ __all__ = [
     "interop",
     "lm",
     "lora",
-    "tasks",
     "text",
 ]

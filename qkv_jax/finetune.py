@@ -137,7 +137,7 @@ def convert_kv_heads(params: Any, num_kv_heads: int, path: str = "") -> Any:
     (G = K / num_kv_heads): with num_kv_heads = K the parameters come back
     unchanged, and a model whose heads within each group are equal computes
     the same outputs after conversion. The result loads into the same model
-    with `num_kv_heads` set (e.g. `TransformerLM(config.replace(num_kv_heads=2))`).
+    with `num_kv_heads` set (e.g. `TransformerLM(dataclasses.replace(config, num_kv_heads=2))`).
     ValueError when num_kv_heads does not divide a layer's K/V heads, a K/V
     projection has a LoRA adapter, or `params` holds no attention.
     """

@@ -143,10 +143,10 @@ def test_modules_pass_the_precision_to_projections_and_attention(name):
 def test_the_lm_config_field_reaches_every_dot_of_the_training_step():
     """`--config.model.precision=high` -> TransformerConfig -> every projection, attention, MLP and
     head dot of the language model's loss, forward and backward."""
-    from configs import lm_tasks
+    from configs import sequences
     from qkv_jax.training import build_setup
 
-    config = lm_tasks.get_config("copy")
+    config = sequences.get_config("copy")
     config.model.precision = "high"
     setup = build_setup(config)
     assert setup.model.config.precision == "high"

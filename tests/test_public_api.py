@@ -28,6 +28,10 @@ PUBLIC_MODULES = [
     "qkv_jax.tasks.sequences",
     "qkv_jax.tasks.char_lm",
     "qkv_jax.training",
+    "qkv_jax.nnx",
+    "qkv_jax.interpretability",
+    "qkv_jax.interpretability.circuits",
+    "qkv_jax.interpretability.attribution",
 ]
 
 
