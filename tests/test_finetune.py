@@ -241,7 +241,7 @@ def test_init_from_refuses_a_missing_source(tmp_path):
         train_and_evaluate(small_config(text, train__init_from="/nonexistent"), tmp_path / "W")
     with pytest.raises(ConfigError, match=r"train.convert_kv_heads=True: needs train.init_from"):
         train_and_evaluate(small_config(text, train__convert_kv_heads=True), tmp_path / "W")
-    with pytest.raises(ConfigError, match=r"not a run's workdir, its checkpoints/ directory or one"):
+    with pytest.raises(ConfigError, match=r"not a run's workdir, its checkpoints/ directory or a checkpoint"):
         train_and_evaluate(small_config(text, train__init_from=str(tmp_path)), tmp_path / "W")
 
 
