@@ -83,7 +83,7 @@ def modes(directory):
     "any program's: config.json, metrics.jsonl, summary.json (atomic writes), the lock, orbax's "
     "checkpoint files, TensorBoard's, report.json, report.html, pictures and results.*",
 )
-@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask 0022", "umask 0077"])
 def test_files_follow_the_umask(tmp_path, umask):
     previous = os.umask(umask)
     try:
