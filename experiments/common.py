@@ -7,7 +7,7 @@ line saying why (`error: ...`), in this project's words. Exit codes: 0 done,
 sweep cell that failed, ...), 2 a command that cannot run as given (a bad
 flag, config or workdir; nothing was written), 75 stopped by SIGTERM/SIGINT
 after saving a checkpoint (run the same command to resume), 130 interrupted
-by a second SIGINT. absl's and the libraries' INFO logs are off unless
+by SIGINT without one. absl's and the libraries' INFO logs are off unless
 `--verbosity` asks for them (`--verbosity=0`: INFO).
 
 (The allocator re-exec happens once, in `experiments/__init__.py`.)
@@ -247,7 +247,8 @@ def config_sweep(module: ModuleType, variant: str | None) -> Any:
 def training_errors() -> Iterator[None]:
     """What a training command can meet, each as one line and an exit code: 2 for a bad config
     or workdir, 75 (EX_TEMPFAIL) when stopped by SIGTERM/SIGINT after saving a checkpoint, 130
-    when a second SIGINT interrupts it, 1 otherwise."""
+    when SIGINT interrupts it without one (a second Ctrl-C, or one while starting up), 1
+    otherwise."""
     import jax
 
     from qkv_jax.studies.sweep import CellsFailed
@@ -273,8 +274,8 @@ def training_errors() -> Iterator[None]:
         fail(str(error))
     except KeyboardInterrupt:
         fail(
-            "interrupted by a second SIGINT before a checkpoint was saved; the checkpoints saved "
-            "before are kept: run the same command to resume",
+            "interrupted by SIGINT without a checkpoint of this moment (a second Ctrl-C, or one while "
+            "starting up); the checkpoints saved before are kept: run the same command to resume",
             code=EXIT_INTERRUPTED,
         )
     except jax.errors.JaxRuntimeError as error:

@@ -265,6 +265,21 @@ def test_resource_exhausted_becomes_one_line(capsys):
     ]
 
 
+@pytest.mark.reliability(
+    "Preemption",
+    "KeyboardInterrupt reaching the command line (a second Ctrl-C, or one while the run starts up)",
+    "exit 130 with one line saying the checkpoints saved before are kept; no traceback",
+)
+def test_keyboard_interrupt_becomes_one_line(capsys):
+    from experiments import common
+
+    with pytest.raises(SystemExit) as info, common.training_errors():
+        raise KeyboardInterrupt
+    assert info.value.code == 130
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: interrupted by SIGINT") and "the checkpoints saved before are kept" in line
+
+
 # --- A full disk ----------------------------------------------------------------------------
 
 
