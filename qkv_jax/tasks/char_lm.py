@@ -56,6 +56,7 @@ from qkv_jax.training import validate
 from qkv_jax.training.checkpoints import NoCheckpointError, locate_run
 from qkv_jax.training.setup import AttentionView, Setup
 from qkv_jax.training.validate import ConfigError
+from qkv_jax.training.workdir import write_atomic, write_json
 
 __all__ = [
     "TOKENIZER_FILE",
@@ -82,7 +83,7 @@ def validate_config(config: Any) -> None:
     model = make_model(config["model"], config["data"]["max_vocab_size"])
     check_sequence_length(model, config["task"]["seq_len"], "task.seq_len")
     data, evaluation = config["data"], config["eval"]
-    if data["path"] is not None and not pathlib.Path(data["path"]).is_file():
+    if data["path"] is not None and not _is_file(data["path"]):
         raise ConfigError(f"data.path={data['path']!r}: not a readable file")
     validate.require_fraction(config, "data.validation_fraction")
     if data["validation_fraction"] == 0:
@@ -102,6 +103,13 @@ def validate_config(config: Any) -> None:
             f"-character eval.sample_prompt it decodes {decoded} positions, past "
             f"model.max_len={model.config.max_len}"
         )
+
+
+def _is_file(path: Any) -> bool:
+    try:
+        return isinstance(path, str) and pathlib.Path(path).is_file()
+    except OSError:  # a name longer than the filesystem allows, say
+        return False
 
 
 def load_corpus(
@@ -244,16 +252,19 @@ class CharLM:
         return ([("prompt", prompt)] if prompt else []) + windows
 
     def save_examples(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
-        """tokenizer.json (before training) and the samples, into samples.txt."""
+        """tokenizer.json (before training) and the samples, into samples.txt; both written
+        atomically, so a reader (generation from a run still training) never sees half a file."""
         workdir = pathlib.Path(workdir)
         if stage == "before":
-            self.tokenizer.save(workdir / TOKENIZER_FILE)
+            write_json(workdir / TOKENIZER_FILE, {"chars": self.tokenizer.chars})
         prompt = self.evaluation["sample_prompt"]
         texts = [prompt + self.tokenizer.decode(row) for row in examples["samples"]]
         heading = {"before": "untrained", "after": "trained"}[stage]
-        with open(workdir / SAMPLES_FILE, "w" if stage == "before" else "a") as f:
-            f.write(f"#### {heading} model, temperature {self.evaluation['temperature']}\n")
-            f.write("".join(f"--- sample {i}\n{sample}\n" for i, sample in enumerate(texts)))
+        samples = workdir / SAMPLES_FILE
+        earlier = samples.read_text() if stage == "after" and samples.is_file() else ""
+        written = f"#### {heading} model, temperature {self.evaluation['temperature']}\n"
+        written += "".join(f"--- sample {i}\n{sample}\n" for i, sample in enumerate(texts))
+        write_atomic(samples, lambda file: file.write(earlier + written))
         return {f"samples_{stage}": texts}
 
 
