@@ -2,7 +2,9 @@
 
   TransformerConfig every option of the two modules below, in one frozen dataclass.
   TransformerBlock  x + Dropout(MHA(LN(x))), then x + Dropout(MLP(LN(x))).
-  TransformerLM     token + learned position embeddings, blocks, LN, vocabulary head.
+  TransformerLM     token embeddings (+ learned position embeddings, or RoPE in the
+                    attention, or no positions), blocks, LN, vocabulary head; packed
+                    sequences through `segment_ids`.
   init_cache        the zeroed decode cache of a TransformerLM for a batch size.
   generate          prompt -> sampled tokens, the token loop inside one `lax.scan`
                     (`check_generate_args`: its host-side checks).
@@ -11,8 +13,10 @@ Decoding follows flax's `decode=True` convention: the cache lives in the
 'cache' collection (each attention layer's `cached_key` and `cached_value`,
 sized by `num_kv_heads`, or its MLA `cached_latent`, and `cache_index`; see
 `MultiHeadAttention`), created by `init_cache` with room for `max_len`
-positions. `qkv_jax.nnx.TransformerLM` is the same model as a flax.nnx module
-(the same parameter and cache trees), with its own `generate`.
+positions; a layer with a sliding window of w < max_len keys keeps a ring
+buffer of w positions instead. `qkv_jax.nnx.TransformerLM` is the same model
+as a flax.nnx module (the same parameter and cache trees), with its own
+`generate`.
 """
 
 from __future__ import annotations
@@ -38,20 +42,28 @@ from qkv_jax.modules import (
     _check_lora,
     _check_positive,
     advance_cache_index,
+    check_segment_ids,
+    qk_norm_kind,
 )
+from qkv_jax.positions import check_rope, rotary_dims, segment_positions
 
 Array = jax.Array
 Dtype = Any
 
 __all__ = [
     "LORA_TARGETS",
+    "POSITIONS",
     "TransformerConfig",
+    "layer_windows",
     "attention_options",
+    "decode_capacity",
     "check_tokens",
+    "token_positions",
     "add_positions",
     "TransformerBlock",
     "TransformerLM",
     "init_cache",
+    "kv_cache_bytes",
     "kv_cache_bytes_per_token",
     "sample_logits",
     "sample_tokens",
@@ -64,6 +76,8 @@ __all__ = [
 embedding_init = nn.initializers.normal(stddev=0.02)
 # Where a TransformerLM's LoRA adapters can go: the attention projections, and "mlp" (mlp_in and mlp_out).
 LORA_TARGETS = (*ATTENTION_LORA_TARGETS, "mlp")
+# TransformerConfig.positions: learned absolute embeddings, rotary embeddings in the attention, none.
+POSITIONS = ("learned", "rope", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +115,35 @@ class TransformerConfig:
         none), scaled by lora_alpha / lora_rank, beside the kernels of the
         projections named in lora_targets (of `LORA_TARGETS`; "mlp" is mlp_in
         and mlp_out); every kernel keeps its place (`qkv_jax.lora`).
+      positions: "learned" (a `position_embedding` table `[max_len, d_model]`
+        added to the token embeddings), "rope" (rotary embeddings of each
+        head's queries and keys inside the attention, no table; not with
+        kv_latent_dim) or "none" (no position signal: causal attention infers
+        position from what each query can see).
+      rope_base, rope_fraction: RoPE's base (10000) and the fraction of each
+        head's dims that rotate, the leading int(head_dim * rope_fraction)
+        (GPT-NeoX's partial rotary; `qkv_jax.positions`). Read with "rope".
+      window: sliding-window attention per layer. None: every layer global;
+        an int w: every layer local; a tuple of int | None, cycled over the
+        layers (`(64, None)`: local and global layers alternating, gemma's
+        pattern). A causal layer with window w lets each query see itself and
+        the w - 1 keys before it (the module's local_window_size=(w - 1, 0));
+        a non-causal one the w - 1 keys on either side. Its decode cache is a
+        ring buffer of w positions when w < max_len (`layer_windows`).
+        Decoding may go past max_len when nothing grows with the sequence: no
+        learned positions and every layer local (`decode_capacity`).
+      normalize_qk: False, True or "layernorm" (flax's LayerNorm of each
+        head's query and key over head_dim), or "rms" (an RMSNorm); the
+        parameters are query_ln/key_ln either way.
+      attn_logits_soft_cap: c, the attention logits become c * tanh(logits / c)
+        (None: off).
+      sinks: a learned sink logit per head and layer (`sinks` `[num_heads]`,
+        zero at init) in the softmax's denominator: it takes weight and gives
+        no value.
+
+    `TransformerLM` takes `segment_ids` `[batch..., T]` for packed sequences:
+    attention never crosses a segment and positions (learned or rotary)
+    restart at 0 where the id changes.
     """
 
     vocab_size: int
@@ -123,6 +166,13 @@ class TransformerConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("query", "value")
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    rope_fraction: float = 1.0
+    window: int | tuple[int | None, ...] | None = None
+    normalize_qk: bool | str = False
+    attn_logits_soft_cap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self):
         owner = "TransformerConfig"
@@ -148,11 +198,66 @@ class TransformerConfig:
             raise ValueError(
                 f"{owner}: attention_dropout_rate={self.attention_dropout_rate!r} must be in [0, 1)"
             )
+        _check_attention_variants(owner, self)
 
 
-def attention_options(config: TransformerConfig) -> dict[str, Any]:
-    """The attention's fields from `config`, shared by the linen and the nnx `TransformerBlock`."""
+def _check_attention_variants(owner: str, config: TransformerConfig) -> None:
+    """positions, RoPE, window, normalize_qk, the soft cap and sinks: ValueError naming the field."""
+    if config.positions not in POSITIONS:
+        raise ValueError(f"{owner}: positions={config.positions!r} must be one of {', '.join(POSITIONS)}")
+    if config.positions == "rope":
+        check_rope(owner, config.rope_base, config.rope_fraction)
+        rotary_dims(config.d_model // config.num_heads, config.rope_fraction, owner)
+        if config.kv_latent_dim is not None:
+            raise ValueError(
+                f"{owner}: positions='rope' with kv_latent_dim={config.kv_latent_dim}: RoPE with MLA is not "
+                "defined without DeepSeek-V2's decoupled rotary key, which qkv_jax does not have"
+            )
+    layer_windows(config)
+    if qk_norm_kind(owner, config.normalize_qk) and config.kv_latent_dim is not None and config.absorb_latent:
+        raise ValueError(
+            f"{owner}: normalize_qk={config.normalize_qk!r} with kv_latent_dim={config.kv_latent_dim} needs "
+            "absorb_latent=False (a norm of the keys does not fold into the query)"
+        )
+    cap = config.attn_logits_soft_cap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ValueError(f"{owner}: attn_logits_soft_cap={cap!r} must be a number > 0 (or None)")
+    if not isinstance(config.sinks, bool):
+        raise ValueError(f"{owner}: sinks={config.sinks!r} must be True or False")
+
+
+def layer_windows(config: TransformerConfig) -> tuple[int | None, ...]:
+    """Each layer's window w (None: global), `config.window` cycled over the layers. ValueError
+    naming `window` unless it is None, an int >= 1 or a non-empty tuple of those and None."""
+    window = config.window
+    pattern = window if isinstance(window, tuple) else (window,)
+    valid = all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in pattern)
+    if not pattern or not valid:
+        raise ValueError(
+            f"TransformerConfig: window={window!r} must be None, an int >= 1 (the keys each query sees, "
+            "itself included) or a tuple of those and None (a global layer), cycled over the layers"
+        )
+    return tuple(pattern[layer % len(pattern)] for layer in range(config.num_layers))
+
+
+def decode_capacity(config: TransformerConfig) -> int | None:
+    """Positions a decode cache can take: max_len, or None (no limit) when no learned position
+    table bounds them and every layer keeps a ring buffer (a window of at most max_len keys)."""
+    rings = all(w is not None and w <= config.max_len for w in layer_windows(config))
+    return None if config.positions != "learned" and rings else config.max_len
+
+
+def attention_options(config: TransformerConfig, layer: int = 0) -> dict[str, Any]:
+    """The attention's fields of block `layer` from `config`, shared by the linen and the nnx
+    `TransformerBlock`: window w becomes local_window_size (w - 1, 0) (causal) or (w - 1, w - 1)."""
+    window = layer_windows(config)[layer]
     return dict(
+        local_window_size=None if window is None else (window - 1, 0 if config.causal else window - 1),
+        rope_base=config.rope_base if config.positions == "rope" else None,
+        rope_fraction=config.rope_fraction,
+        normalize_qk=config.normalize_qk,
+        attn_logits_soft_cap=config.attn_logits_soft_cap,
+        use_sinks=config.sinks,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         kv_latent_dim=config.kv_latent_dim,
@@ -170,20 +275,53 @@ def attention_options(config: TransformerConfig) -> dict[str, Any]:
     )
 
 
-def check_tokens(tokens: Array, decode: bool, max_len: int) -> None:
-    """A TransformerLM's input checks: integer tokens `[batch..., T]`, T <= max_len outside decoding
-    (a decode call's length is checked against the cache)."""
+def check_tokens(tokens: Array, decode: bool, config: TransformerConfig, segment_ids: Any = None) -> None:
+    """A TransformerLM's input checks: integer tokens `[batch..., T]`; outside decoding T <=
+    max_len with learned positions (a decode call's length is checked against the cache);
+    `segment_ids` integers of the tokens' shape, not when decoding."""
     if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim < 1:
         raise ValueError(
             f"TransformerLM: tokens must be integers [batch..., T], got {tokens.dtype}{list(tokens.shape)}"
         )
-    if not decode and tokens.shape[-1] > max_len:
-        raise ValueError(f"TransformerLM: sequence length {tokens.shape[-1]} exceeds max_len={max_len}")
+    if not decode and config.positions == "learned" and tokens.shape[-1] > config.max_len:
+        raise ValueError(
+            f"TransformerLM: sequence length {tokens.shape[-1]} exceeds max_len={config.max_len} "
+            "(the learned position table's)"
+        )
+    check_segment_ids("TransformerLM", segment_ids, decode)
+    if segment_ids is not None and (
+        jnp.shape(segment_ids) != tokens.shape
+        or not jnp.issubdtype(jnp.asarray(segment_ids).dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"TransformerLM: segment_ids must be integers of the tokens' shape {list(tokens.shape)}, got "
+            f"{jnp.asarray(segment_ids).dtype}{list(jnp.shape(segment_ids))}"
+        )
 
 
-def add_positions(embedded: Array, position_embedding: Array) -> Array:
-    """Token embeddings `[batch..., T, D]` plus position embeddings `[T, D]`, broadcast explicitly."""
-    return embedded + position_embedding.reshape((1,) * (embedded.ndim - 2) + position_embedding.shape)
+def token_positions(length: int, decode_index: Any, segment_ids: Any, capacity: int | None):
+    """(the next decode index or None, the tokens' positions or None): when decoding from
+    `decode_index` (None: the call that creates the cache, from 0), its positions `[T]` and the
+    index after them; with `segment_ids` `[batch..., T]` positions restarting at each segment;
+    otherwise None, positions 0..T-1."""
+    if decode_index is not None:
+        return decode_positions(decode_index, length, capacity)
+    if segment_ids is not None:
+        return None, segment_positions(segment_ids)  # (batch..., T)
+    return None, None
+
+
+def add_positions(embedded: Array, position_table: Array, positions: Array | None) -> Array:
+    """Token embeddings `[batch..., T, D]` plus the learned embeddings of `positions` (`[T]` or
+    `[batch..., T]`; None: 0..T-1 as a static slice, whose gradient is a pad where a gather's is
+    a scatter-add), broadcast explicitly."""
+    if positions is None:
+        position_embedding = position_table[: embedded.shape[-2]]  # (T, D)
+    else:
+        position_embedding = jnp.take(position_table, positions, axis=0)  # (T, D) or (batch..., T, D)
+    return embedded + position_embedding.reshape(
+        (1,) * (embedded.ndim - position_embedding.ndim) + position_embedding.shape
+    )
 
 
 class TransformerBlock(nn.Module):
@@ -191,11 +329,12 @@ class TransformerBlock(nn.Module):
 
     x + Dropout(MHA(LN(x))), then x + Dropout(MLP(LN(x))), the MLP a GELU of
     width `config.mlp_dim` (default 4 d_model); every option comes from
-    `config` (`TransformerConfig`). `head_mask` `[N]`: the attention's (see
-    `MultiHeadAttention`).
+    `config` (`TransformerConfig`); `layer` picks its window. `head_mask` `[N]` and
+    `segment_ids` `[batch..., T]`: the attention's (see `MultiHeadAttention`).
     """
 
     config: TransformerConfig
+    layer: int = 0
 
     def _mlp_dense(self, features: int, name: str) -> nn.Module:
         """An MLP projection: `nn.Dense`, or with "mlp" in `lora_targets` its LoRA form
@@ -209,13 +348,13 @@ class TransformerBlock(nn.Module):
         return nn.Dense(features, **options)
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True, decode: bool = False, head_mask=None):
+    def __call__(self, x, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None):
         config = self.config
         width = x.shape[-1]
         norm = functools.partial(nn.LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
         h = norm(name="attention_norm")(x)
-        h = MultiHeadAttention(**attention_options(config), name="attention")(
-            h, deterministic=deterministic, decode=decode, head_mask=head_mask
+        h = MultiHeadAttention(**attention_options(config, self.layer), name="attention")(
+            h, deterministic=deterministic, decode=decode, head_mask=head_mask, segment_ids=segment_ids
         )  # (..., T, D)
         x = x + nn.Dropout(config.dropout_rate)(h, deterministic)
         h = norm(name="mlp_norm")(x)
@@ -227,24 +366,44 @@ class TransformerBlock(nn.Module):
 class TransformerLM(nn.Module):
     """Next-token model: tokens `[batch..., T]` (int) -> logits `[batch..., T, vocab_size]` (f32).
 
-    Token embedding plus a learned position embedding `[max_len, d_model]`,
-    `num_layers` `TransformerBlock`s, a final LayerNorm and a bias-free head;
-    every option is a field of `config` (`TransformerConfig`). Another config
-    for the same parameters: `model.clone(config=dataclasses.replace(model.config, ...))`.
+    Token embedding (plus, with `config.positions` "learned", a position
+    embedding `position_embedding` `[max_len, d_model]`), `num_layers`
+    `TransformerBlock`s, a final LayerNorm and a bias-free head; every option
+    is a field of `config` (`TransformerConfig`). Another config for the same
+    parameters: `model.clone(config=dataclasses.replace(model.config, ...))`.
 
-    `__call__(tokens, deterministic=True, decode=False, head_mask=None)`; with
-    `decode` the positions continue from the cache (`init_cache`, `generate`);
-    `head_mask` `[num_layers, num_heads]` multiplies each head's attention
-    output before W_O (0 ablates it; `qkv_jax.finetune.head_ablation_masks`).
+    `__call__(tokens, deterministic=True, decode=False, head_mask=None,
+    segment_ids=None)`; with `decode` the positions continue from the cache
+    (`init_cache`, `generate`); `head_mask` `[num_layers, num_heads]`
+    multiplies each head's attention output before W_O (0 ablates it;
+    `qkv_jax.finetune.head_ablation_masks`); `segment_ids` `[batch..., T]`
+    (int, not when decoding): packed sequences, attention within a segment
+    only and positions restarting at 0 where the id changes.
     """
 
     config: TransformerConfig
 
+    def _decode_index(self, decode: bool) -> Any:
+        """The model's `cache_index` variable when decoding from an existing cache, else None
+        (the call inside `init` creates it)."""
+        if not decode:
+            return None
+        initialized = self.has_variable("cache", "cache_index")
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        return index if initialized else None
+
     @nn.compact
-    def __call__(self, tokens, deterministic: bool = True, decode: bool = False, head_mask=None):
+    def __call__(
+        self, tokens, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None
+    ):
         config = self.config
-        check_tokens(tokens, decode, config.max_len)
-        length = tokens.shape[-1]
+        check_tokens(tokens, decode, config, segment_ids)
+        index = self._decode_index(decode)
+        new_index, positions = token_positions(
+            tokens.shape[-1], None if index is None else index.value, segment_ids, decode_capacity(config)
+        )
+        if index is not None:
+            index.value = new_index
         token_embedding = nn.Embed(
             config.vocab_size,
             config.d_model,
@@ -253,26 +412,19 @@ class TransformerLM(nn.Module):
             param_dtype=config.param_dtype,
             name="token_embedding",
         )
-        position_table = self.param(
-            "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
-        )
-        if decode:  # the positions continue from the cache
-            initialized = self.has_variable("cache", "cache_index")
-            index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-            positions = jnp.arange(length)  # (T,): the init call, which creates the cache
-            if initialized:
-                index.value, positions = decode_positions(index.value, length, config.max_len)
-            position_embedding = jnp.take(position_table, positions, axis=0)  # (T, D)
-        else:  # a static slice: its gradient is a pad, where a gather's is a scatter-add
-            position_embedding = position_table[:length]  # (T, D)
-        x = add_positions(token_embedding(tokens), position_embedding)  # (..., T, D)
+        x = token_embedding(tokens)  # (..., T, D)
+        if config.positions == "learned":
+            table = self.param(
+                "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
+            )
+            x = add_positions(x, table, positions)  # (..., T, D)
         x = nn.Dropout(config.dropout_rate)(x, deterministic)
         if head_mask is not None:
             chex.assert_shape(head_mask, (config.num_layers, config.num_heads))
         for layer in range(config.num_layers):
             layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
-            x = TransformerBlock(config, name=f"block_{layer}")(
-                x, deterministic, decode, layer_mask
+            x = TransformerBlock(config, layer, name=f"block_{layer}")(
+                x, deterministic, decode, layer_mask, segment_ids
             )  # (..., T, D)
         x = nn.LayerNorm(dtype=config.dtype, param_dtype=config.param_dtype, name="final_norm")(x)
         logits = nn.Dense(
@@ -286,12 +438,15 @@ class TransformerLM(nn.Module):
         return logits.astype(jnp.float32)
 
 
-def decode_positions(index: Array, length: int, max_len: int) -> tuple[Array, Array]:
+def decode_positions(index: Array, length: int, capacity: int | None) -> tuple[Array, Array]:
     """The next decode index and the positions `[length]` of the tokens appended at `index`.
 
-    Appending past `max_len` raises (`qkv_jax.modules.advance_cache_index`).
+    Appending past `capacity` (`decode_capacity`; None: no limit) raises
+    (`qkv_jax.modules.advance_cache_index`).
     """
-    new_index, _ = advance_cache_index("TransformerLM", index, length, max_len)
+    if capacity is None:
+        return index + length, index + jnp.arange(length)
+    new_index, _ = advance_cache_index("TransformerLM", index, length, capacity)
     return new_index, index + jnp.arange(length)  # (), (T,)
 
 
@@ -301,7 +456,8 @@ def init_cache(model: TransformerLM, batch_size: int) -> dict:
     Built from the shapes `model.init(..., decode=True)` would create, without
     computing anything: the same pytree as its "cache" collection, per layer
     the cached keys and values `[batch_size, max_len, K, H]` (with
-    `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`) and
+    `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`; a
+    layer with a window w < max_len holds w positions, a ring buffer) and
     the int32 scalar `cache_index` of positions filled (and the model's own
     `cache_index`, where the position embeddings continue).
     """
@@ -312,15 +468,21 @@ def init_cache(model: TransformerLM, batch_size: int) -> dict:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def kv_cache_bytes_per_token(model: TransformerLM) -> int:
-    """Bytes the decode cache holds per token, over all layers (cached K and V, or latents)."""
-    shapes = jax.eval_shape(functools.partial(init_cache, model, 1))
-    total = sum(
+def kv_cache_bytes(model: TransformerLM, batch_size: int = 1) -> int:
+    """Bytes of the decode cache's entries (cached K and V, or latents) over all layers, for
+    `batch_size` sequences (ring-buffer layers hold their window, the others max_len)."""
+    shapes = jax.eval_shape(functools.partial(init_cache, model, batch_size))
+    return sum(
         int(np.prod(leaf.shape)) * leaf.dtype.itemsize
         for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
         if path[-1].key.startswith("cached_")  # not the position counters
     )
-    return total // model.config.max_len
+
+
+def kv_cache_bytes_per_token(model: TransformerLM) -> int:
+    """Bytes the decode cache holds per token over all layers: `kv_cache_bytes` / max_len (with
+    ring-buffer layers, the mean over a full cache of max_len positions)."""
+    return kv_cache_bytes(model) // model.config.max_len
 
 
 def sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | None) -> Array:
@@ -413,7 +575,8 @@ def check_generate_args(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
     needed = prompt_shape[1] + max_new_tokens - 1
-    if needed > model.config.max_len:
+    capacity = decode_capacity(model.config)
+    if capacity is not None and needed > capacity:
         raise ValueError(
             f"generate: a prompt of {prompt_shape[1]} tokens and max_new_tokens={max_new_tokens} "
             f"decode {needed} positions, past the model's max_len={model.config.max_len}"

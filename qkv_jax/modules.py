@@ -46,7 +46,9 @@ from jax import lax
 from jax.experimental import checkify
 
 from qkv_jax.attention import PrecisionLike, dot_product_attention
+from qkv_jax.chunked import window_pair
 from qkv_jax.lora import LoRADenseGeneral, effective_kernel
+from qkv_jax.positions import apply_rope, check_rope, rotary_dims, segment_positions
 
 Array = jax.Array
 Dtype = Any
@@ -360,13 +362,39 @@ def _and_masks(*masks: Array | None) -> Array | None:
     return combined
 
 
-def _causal_keys(T: int, S: int, query_offset: Any) -> Array:
-    """`[T, S]` boolean: key s is visible to query t when s <= t + query_offset.
+class KeyVisibility(NamedTuple):
+    """Which keys each query may attend to, besides the call's `mask`: the position arguments of
+    `qkv_jax.dot_product_attention`, and an explicit mask where positions are not in order.
 
-    `query_offset` (an int, or a traced int scalar such as a cache index) is the
-    key position of query 0: 0 aligns the triangle top-left, S - T bottom-right.
+    is_causal: key s visible to query t when s <= t + query_offset.
+    query_offset: the key index of query 0 (None: 0, top-left; a decode cache's index).
+    window: (left, right), jax.nn's local_window_size: t + offset - left <= s <= t + offset + right.
+    segment_ids: (query ids `[batch..., T]`, key ids `[batch..., S]`): equal ids only.
+    mask: boolean `[T, S]` or None; a ring cache's keys, whose order is not their positions',
+      are described by this alone.
     """
-    return jnp.arange(S)[None, :] <= (jnp.arange(T) + query_offset)[:, None]  # (T, S)
+
+    is_causal: bool
+    query_offset: Any = None
+    window: tuple[int, int] | None = None
+    segment_ids: tuple[Array, Array] | None = None
+    mask: Array | None = None
+
+
+def visible_keys(keys: KeyVisibility, T: int, S: int) -> Array | None:
+    """`keys` as one boolean mask broadcastable to `[batch..., 1, T, S]` (None: every key)."""
+    at = jnp.arange(T)[:, None] + (0 if keys.query_offset is None else keys.query_offset)  # (T, 1)
+    key_pos = jnp.arange(S)[None, :]  # (1, S)
+    masks = [keys.mask]
+    if keys.is_causal:
+        masks.append(key_pos <= at)  # (T, S)
+    if keys.window is not None:
+        left, right = keys.window
+        masks.append((key_pos >= at - left) & (key_pos <= at + right))  # (T, S)
+    if keys.segment_ids is not None:
+        query_ids, key_ids = keys.segment_ids
+        masks.append(query_ids[..., None, :, None] == key_ids[..., None, None, :])  # (batch..., 1, T, S)
+    return _and_masks(*masks)
 
 
 # ----------------------------------------------------------------- the default attention_fn
@@ -390,6 +418,11 @@ def flax_dot_product_attention(
     *,
     scale: float | Array | None = None,
     query_offset: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_segment_ids: Array | None = None,
+    key_segment_ids: Array | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Array | None = None,
     implementation: str | None = None,
 ) -> Array:
     """flax's `attention_fn` signature over `qkv_jax.dot_product_attention`.
@@ -419,8 +452,11 @@ def flax_dot_product_attention(
         least float32 here; with this the sown weights are float32 as well.
       is_causal: key s visible to query t when s <= t + query_offset.
       scale: of the logits (default 1/sqrt(H)).
-      query_offset: key position of query 0 for `is_causal`; None or 0 is
-        top-left (flax.nnx's and jax.nn's alignment).
+      query_offset: key position of query 0 for `is_causal` and the window;
+        None or 0 is top-left (flax.nnx's and jax.nn's alignment).
+      local_window_size, query_segment_ids, key_segment_ids, logits_soft_cap,
+        sinks: `qkv_jax.dot_product_attention`'s (a window as jax.nn's, packed
+        sequences, a soft cap of the logits, one sink logit per head `[N]`).
       implementation: `qkv_jax.dot_product_attention`'s. Sowing weights or
         dropout takes "reference", the path that returns weights.
 
@@ -439,7 +475,12 @@ def flax_dot_product_attention(
         scale=scale,
         is_causal=is_causal,
         # Explicit, also when 0: the alignment is the caller's (top-left unless a cache says).
-        query_offset=(0 if query_offset is None else query_offset) if is_causal else None,
+        query_offset=0 if query_offset is None else query_offset,
+        local_window_size=local_window_size,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         return_weights=weighted,
         implementation="reference" if weighted else implementation,
         precision=precision,
@@ -524,6 +565,21 @@ class AttentionSettings(Protocol):
     def absorb_latent(self) -> bool: ...
 
     @property
+    def local_window_size(self) -> int | tuple[int, int] | None: ...
+
+    @property
+    def rope_base(self) -> float | None: ...
+
+    @property
+    def rope_fraction(self) -> float: ...
+
+    @property
+    def attn_logits_soft_cap(self) -> float | None: ...
+
+    @property
+    def use_sinks(self) -> bool: ...
+
+    @property
     def lora_alpha(self) -> float: ...
 
     @property
@@ -539,7 +595,8 @@ class AttentionLayers(NamedTuple):
     query `[..., T, D] -> [..., T, N, H]`; key and value `[..., S, D_kv] ->
     [..., S, K, H]` / `[..., S, K, Hv]` (with MLA they read the latent `[..., S,
     C]`); out `[..., T, N, Hv] -> [..., T, D_out]`; kv_latent (MLA only) `[...,
-    S, D_kv] -> [..., S, C]`; query_ln and key_ln (normalize_qk) over H.
+    S, D_kv] -> [..., S, C]`; query_ln and key_ln (normalize_qk) over H;
+    sinks (use_sinks) the learned sink logits `[N]`, one per query head.
     `params(name)` is the parameter mapping of projection `name` (`kernel`,
     `bias`, `lora_a`, `lora_b`), read by MLA's weight absorption.
     """
@@ -551,6 +608,7 @@ class AttentionLayers(NamedTuple):
     kv_latent: Callable[[Array], Array] | None
     query_ln: Callable[[Array], Array] | None
     key_ln: Callable[[Array], Array] | None
+    sinks: Array | None
     params: Callable[[str], Mapping[str, Array]]
 
 
@@ -583,15 +641,18 @@ def check_attention_settings(owner: str, settings: Any) -> None:
     if settings.qkv_features is not None:
         resolve_head_dim(owner, settings.num_heads, settings.head_dim, settings.qkv_features, None)
     latent = settings.kv_latent_dim is not None
-    if settings.normalize_qk and latent and settings.absorb_latent:
+    if qk_norm_kind(owner, settings.normalize_qk) and latent and settings.absorb_latent:
         raise ValueError(
-            f"{owner}: normalize_qk=True with kv_latent_dim={settings.kv_latent_dim} needs "
-            "absorb_latent=False (a LayerNorm of the keys does not fold into the query)"
+            f"{owner}: normalize_qk={settings.normalize_qk!r} with kv_latent_dim={settings.kv_latent_dim} "
+            "needs absorb_latent=False (a norm of the keys does not fold into the query)"
         )
+    _check_positions(owner, settings)
     accepted = inspect.signature(settings.attention_fn).parameters
     needs = {
         "scale": settings.scale is not None or (latent and settings.absorb_latent),
         "implementation": settings.attention_implementation is not None,
+        "logits_soft_cap": settings.attn_logits_soft_cap is not None,
+        "sinks": settings.use_sinks,
         "qk_attn_weights_einsum": settings.qk_attn_weights_einsum_cls is not None,
         "attn_weights_value_einsum": settings.attn_weights_value_einsum_cls is not None,
     }
@@ -604,6 +665,34 @@ def check_attention_settings(owner: str, settings: Any) -> None:
                 f"the module's settings need; leave attention_fn at its default "
                 "(qkv_jax.modules.flax_dot_product_attention)"
             )
+
+
+def qk_norm_kind(owner: str, normalize_qk: Any) -> str | None:
+    """`normalize_qk` read: False (or None) no norm, True or "layernorm" flax's LayerNorm (no
+    bias), "rms" an RMSNorm; None, "layernorm" or "rms". ValueError naming the value otherwise."""
+    if normalize_qk is None or normalize_qk is False:
+        return None
+    if normalize_qk is True or normalize_qk == "layernorm":
+        return "layernorm"
+    if normalize_qk == "rms":
+        return "rms"
+    raise ValueError(f"{owner}: normalize_qk={normalize_qk!r} must be False, True, 'layernorm' or 'rms'")
+
+
+def _check_positions(owner: str, settings: Any) -> None:
+    """The window, RoPE and soft-cap settings: ValueError naming the field and its value."""
+    window = window_pair(settings.local_window_size, owner)
+    if window is not None and min(window) < 0:
+        raise ValueError(f"{owner}: local_window_size={settings.local_window_size!r} must not be negative")
+    check_rope(owner, settings.rope_base, settings.rope_fraction)
+    if settings.rope_base is not None and settings.kv_latent_dim is not None:
+        raise ValueError(
+            f"{owner}: rope_base={settings.rope_base} with kv_latent_dim={settings.kv_latent_dim}: RoPE "
+            "with MLA is not defined without DeepSeek-V2's decoupled rotary key, which qkv_jax does not have"
+        )
+    cap = settings.attn_logits_soft_cap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ValueError(f"{owner}: attn_logits_soft_cap={cap!r} must be a number > 0 (or None)")
 
 
 def resolve_inputs(
@@ -702,6 +791,66 @@ def project_inputs(
     return query, {"key": key, "value": layers.value(inputs_v)}  # (..., S, K, Hv)
 
 
+def input_positions(owner: str, T: int, S: int, start: Any, segment_ids: Array | None) -> tuple[Array, Array]:
+    """Positions of the T queries and the S keys, `[T]` and `[S]` counted from `start` (a decode
+    cache's index; None: 0), or with packed `segment_ids` `[batch..., T]` (self-attention, S =
+    T) both `[batch..., T]`, restarting at 0 in every segment (`positions.segment_positions`)."""
+    if segment_ids is None:
+        start = 0 if start is None else start
+        return start + jnp.arange(T), start + jnp.arange(S)
+    segment_ids = jnp.asarray(segment_ids)
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer) or segment_ids.shape[-1:] != (T,) or S != T:
+        raise ValueError(
+            f"{owner}: segment_ids must be integers [batch..., T] for self-attention (T = S = {T} here, "
+            f"S = {S}), got {segment_ids.dtype}{list(segment_ids.shape)}"
+        )
+    positions = segment_positions(segment_ids)  # (batch..., T)
+    return positions, positions
+
+
+def rotate_inputs(
+    owner: str,
+    settings: AttentionSettings,
+    query: Array,
+    entries: Mapping[str, Array],
+    query_positions: Array,
+    key_positions: Array,
+) -> tuple[Array, dict[str, Array]]:
+    """RoPE (`settings.rope_base`; None: none) on the query `[..., T, N, H]` and the key entry
+    `[..., S, K, H]` by their positions (`input_positions`), after the projections and
+    query_ln/key_ln and before the decode cache, which so holds rotated keys. The leading
+    int(H * rope_fraction) dims of each head rotate (`qkv_jax.positions`)."""
+    if settings.rope_base is None:
+        return query, dict(entries)
+    rotary_dims(query.shape[-1], settings.rope_fraction, owner)  # the error names the owner
+    rope = functools.partial(apply_rope, base=settings.rope_base, fraction=settings.rope_fraction)
+    return rope(query, query_positions), {**entries, "key": rope(entries["key"], key_positions)}
+
+
+def check_segment_ids(owner: str, segment_ids: Any, decode: Any) -> None:
+    """Packed sequences are a full pass's: ValueError for `segment_ids` with decoding (a decode
+    cache holds one sequence per row)."""
+    if segment_ids is not None and decode:
+        raise ValueError(
+            f"{owner}: segment_ids with decode=True; a decode cache holds one sequence per row, so "
+            "decode each packed sequence as its own row"
+        )
+
+
+def full_pass_keys(owner: str, local_window_size: Any, is_causal: bool, segment_ids: Any) -> KeyVisibility:
+    """The keys each query sees without a decode cache: causal (top-left), the window, and with
+    `segment_ids` `[batch..., T]` (self-attention) only its own segment's."""
+    segments = None if segment_ids is None else (jnp.asarray(segment_ids),) * 2
+    return KeyVisibility(is_causal, None, window_pair(local_window_size, owner), segments)
+
+
+def cache_slots(local_window_size: Any, length: int) -> int:
+    """Positions a decode cache keeps for inputs of `length` positions: `length`, or with a window
+    (left, right) only the left + 1 a query can still reach when that is fewer (a ring)."""
+    window = window_pair(local_window_size, "cache_slots")
+    return length if window is None else min(length, window[0] + 1)
+
+
 def advance_cache_index(owner: str, index: Array, length: int, capacity: int) -> tuple[Array, Array]:
     """The index after appending `length` positions to a cache of `capacity`, and whether they fit.
 
@@ -722,6 +871,16 @@ def advance_cache_index(owner: str, index: Array, length: int, capacity: int) ->
     return index + length, fits
 
 
+def _check_cache_shapes(owner: str, cached: Mapping[str, Array], entries: Mapping[str, Array], axis: int):
+    for name, x in entries.items():
+        full = cached[name].shape
+        if x.shape[:axis] + x.shape[axis + 1 :] != full[:axis] + full[axis + 1 :]:
+            raise ValueError(
+                f"{owner}: decode input gives {name} of shape {x.shape}, which does not fit the "
+                f"cache of shape {full} (batch dims and widths must match)"
+            )
+
+
 def append_to_cache(
     owner: str, cached: Mapping[str, Array], index: Array, entries: Mapping[str, Array], axis: int
 ) -> tuple[dict[str, Array], Array, Array]:
@@ -730,13 +889,7 @@ def append_to_cache(
     Returns the new cache arrays, the new index and whether the T positions
     fit (see `advance_cache_index`; on overflow nothing is written).
     """
-    for name, x in entries.items():
-        full = cached[name].shape
-        if x.shape[:axis] + x.shape[axis + 1 :] != full[:axis] + full[axis + 1 :]:
-            raise ValueError(
-                f"{owner}: decode input gives {name} of shape {x.shape}, which does not fit the "
-                f"cache of shape {full} (batch dims and widths must match)"
-            )
+    _check_cache_shapes(owner, cached, entries, axis)
     length = next(iter(entries.values())).shape[axis]
     capacity = next(iter(cached.values())).shape[axis]
     new_index, fits = advance_cache_index(owner, index, length, capacity)
@@ -748,6 +901,72 @@ def append_to_cache(
     return written, new_index, fits
 
 
+def append_to_ring(
+    cached: Mapping[str, Array],
+    index: Array,
+    entries: Mapping[str, Array],
+    axis: int,
+    window: tuple[int, int],
+) -> tuple[dict[str, Array], Array, dict[str, Array], Array]:
+    """A ring cache of W = left + 1 slots for a causal window (left, right): position p lives in
+    slot p % W, and `index` counts every position ever appended (it never overflows).
+
+    The T new `entries` (along `axis`) are attended together with the W slots as
+    they were, `[W + T]` keys, which the returned mask `[T, W + T]` restricts to
+    the keys a query sees (written, causal, inside the window); then the last
+    min(T, W) of them are written. Returns (new cache arrays, new index, the
+    entries to attend over, that mask).
+    """
+    W = next(iter(cached.values())).shape[axis]
+    T = next(iter(entries.values())).shape[axis]
+    slots = jnp.arange(W)
+    slot_positions = index - 1 - (index - 1 - slots) % W  # (W,): the newest position p < index in each
+    new_positions = index + jnp.arange(T)  # (T,)
+    key_positions = jnp.concatenate([slot_positions, new_positions])[None, :]  # (1, W + T)
+    query_positions = new_positions[:, None]  # (T, 1)
+    left, right = window
+    visible = (
+        (key_positions >= 0)  # never written: position < 0
+        & (key_positions <= query_positions)
+        & (key_positions >= query_positions - left)
+        & (key_positions <= query_positions + right)
+    )  # (T, W + T)
+    kept = min(T, W)  # the newest `kept` positions overwrite the oldest slots (distinct slots)
+    written_slots = (index + T - kept + jnp.arange(kept)) % W  # (kept,)
+    where = (slice(None),) * axis + (written_slots,)
+    attended, written = {}, {}
+    for name, x in entries.items():
+        x = x.astype(cached[name].dtype)
+        attended[name] = jnp.concatenate([cached[name], x], axis=axis)  # (..., W + T, ...)
+        written[name] = cached[name].at[where].set(lax.slice_in_dim(x, T - kept, T, axis=axis))
+    return written, index + T, attended, visible
+
+
+def cache_step(
+    owner: str,
+    local_window_size: Any,
+    cached: Mapping[str, Array],
+    index: Array,
+    entries: Mapping[str, Array],
+    axis: int,
+) -> tuple[dict[str, Array], Array, dict[str, Array], KeyVisibility, Array | None]:
+    """One decode call's cache: (new cache arrays, new index, the entries the queries attend over,
+    which of them each query sees, whether the positions fit (None: always)).
+
+    A cache of left + 1 slots for a window (left, right) is a ring
+    (`append_to_ring`); any other is written in order from `index`
+    (`append_to_cache`) and the queries see its positions up to their own
+    (and inside the window).
+    """
+    _check_cache_shapes(owner, cached, entries, axis)
+    window = window_pair(local_window_size, owner)
+    if window is not None and next(iter(cached.values())).shape[axis] == window[0] + 1:
+        written, new_index, attended, visible = append_to_ring(cached, index, entries, axis, window)
+        return written, new_index, attended, KeyVisibility(False, mask=visible), None
+    written, new_index, fits = append_to_cache(owner, cached, index, entries, axis)
+    return written, new_index, written, KeyVisibility(True, index, window), fits
+
+
 def _call_attention_fn(
     settings: AttentionSettings,
     query: Array,
@@ -755,27 +974,35 @@ def _call_attention_fn(
     value: Array,
     *,
     mask: Array | None,
-    is_causal: bool,
-    query_offset: Any,
+    keys: KeyVisibility,
+    sinks: Array | None,
     scale: Any,
+    bias: Array | None = None,
     deterministic: bool,
     dropout_rng: Array | None,
     sow_module: Any,
 ) -> Array:
     """`settings.attention_fn` called as flax calls it, with qkv_jax's extras it accepts.
 
-    Keyword arguments it does not take are left out (flax's rule). Causal
-    masking (`is_causal`, or a decode cache's `query_offset`) becomes an
-    explicit mask for a function without `is_causal`/`query_offset`.
+    Keyword arguments it does not take are left out (flax's rule). `keys`
+    becomes the causal, offset, window and segment arguments, or for a
+    function without one of those that it needs, an explicit mask.
     """
     accepted = inspect.signature(settings.attention_fn).parameters
-    is_causal = is_causal or query_offset is not None  # a cache is causal in its positions
-    takes_offset = "query_offset" in accepted or query_offset is None
-    if is_causal and not ("is_causal" in accepted and takes_offset):
-        offset = 0 if query_offset is None else query_offset
-        mask = _and_masks(mask, _causal_keys(query.shape[-3], key.shape[-3], offset))
-        is_causal, query_offset = False, None
+    mask = _and_masks(mask, keys.mask)
+    needed = {
+        "is_causal": keys.is_causal,
+        "query_offset": keys.query_offset is not None and (keys.is_causal or keys.window is not None),
+        "local_window_size": keys.window is not None,
+        "query_segment_ids": keys.segment_ids is not None,
+        "key_segment_ids": keys.segment_ids is not None,
+    }
+    if any(need and name not in accepted for name, need in needed.items()):
+        mask = _and_masks(mask, visible_keys(keys._replace(mask=None), query.shape[-3], key.shape[-3]))
+        keys = KeyVisibility(False)
+    query_ids, key_ids = keys.segment_ids or (None, None)
     arguments = dict(
+        bias=bias,
         mask=mask,
         dropout_rng=dropout_rng,
         dropout_rate=settings.dropout_rate,
@@ -784,8 +1011,13 @@ def _call_attention_fn(
         dtype=settings.dtype,
         precision=settings.precision,
         force_fp32_for_softmax=settings.force_fp32_for_softmax,
-        is_causal=is_causal,
-        query_offset=query_offset,
+        is_causal=keys.is_causal,
+        query_offset=keys.query_offset,
+        local_window_size=keys.window,
+        query_segment_ids=query_ids,
+        key_segment_ids=key_ids,
+        logits_soft_cap=settings.attn_logits_soft_cap,
+        sinks=sinks,
         scale=scale,
         implementation=settings.attention_implementation,
         module=sow_module,
@@ -797,13 +1029,53 @@ def _call_attention_fn(
     return settings.attention_fn(query, key, value, **arguments)
 
 
+def _absorbed_key_bias(settings: AttentionSettings, grouped: Array, key_params: Mapping[str, Array], scale):
+    """`[..., N, T, 1]`: scale * q_n b_K[k], the part of each logit the latents leave out, or None.
+
+    It is the same for every key of a row, so the softmax cancels it; a sink (a
+    fixed logit beside the keys) and a soft cap (tanh of the logits) do not.
+    """
+    if "bias" not in key_params or (settings.attn_logits_soft_cap is None and not settings.use_sinks):
+        return None
+    (key_bias,) = nn.dtypes.promote_dtype(key_params["bias"], dtype=settings.dtype)  # (K, H)
+    shift = jnp.einsum(
+        "...tkgh,kh->...kgt", grouped, key_bias, precision=settings.precision
+    )  # (..., K, G, T)
+    *batch, K, G, T = shift.shape
+    return (shift * scale).reshape(*batch, K * G, T, 1)  # (..., N, T, 1)
+
+
+def _absorbed_value_bias(
+    value_bias: Array,
+    output: Array,
+    weight_sums: Array | None,
+    mask: Array | None,
+    keys: KeyVisibility,
+    L: int,
+) -> Array:
+    """The heads' outputs `[..., T, N, Hv]` plus b_V `[K * G -> N, Hv]` times each row's total
+    weight on keys: `weight_sums` `[..., T, N, 1]` when sinks take a share, else 1 where the row
+    sees a key and 0 where it sees none (`mask` and `keys` over the L latents)."""
+    value_bias = value_bias.astype(output.dtype)
+    value_bias = value_bias.reshape((1,) * (output.ndim - 2) + value_bias.shape)  # (1.., 1, N, Hv)
+    if weight_sums is not None:
+        return output + weight_sums * value_bias
+    if mask is not None:  # without one, every decoding query sees at least its own position
+        visible = _and_masks(mask, visible_keys(keys, output.shape[-3], L), jnp.ones((1, 1, 1), jnp.bool_))
+        assert visible is not None  # (..., N|1, T, L)
+        has_key = jnp.swapaxes(jnp.any(visible, axis=-1), -1, -2)[..., None]  # (..., T, N|1, 1)
+        has_key = has_key.reshape((1,) * (output.ndim - has_key.ndim) + has_key.shape)
+        value_bias = jnp.where(has_key, value_bias, 0)  # (..., T, N, Hv)
+    return output + value_bias
+
+
 def _absorbed(
     settings: AttentionSettings,
     layers: AttentionLayers,
     query: Array,
     latent: Array,
     mask: Array | None,
-    query_offset: Any,
+    keys: KeyVisibility,
     attend: Callable[..., Array],
 ) -> Array:
     """MLA attention straight from the cached latents C `[..., L, C]`, K and V never built.
@@ -811,10 +1083,12 @@ def _absorbed(
     With key = C W_K + b_K and value = C W_V + b_V (kernels `[C, K, H]`,
     `[C, K, Hv]`), head n (kv head k = n // (N/K)) has logits q_n (C W_K[k])^T
     = (q_n W_K[k]^T) C^T, plus q_n b_K[k], the same for every key, which the
-    softmax cancels: the query is projected into the latent space and
+    softmax cancels (and which is added as a bias where a sink or a soft cap
+    would not cancel it): the query is projected into the latent space and
     attends over the latents (one shared kv head of depth C). Its output
     sum_s w_s (c_s W_V[k] + b_V[k]) is the blend of the latents times W_V[k],
-    plus b_V[k] where the row attends to anything (its weights sum to 1):
+    plus b_V[k] times the row's total weight (1 where it attends to anything;
+    with sinks, read from a constant channel blended beside the latents):
     the value up-projection moves past the attention, to each query's blend
     instead of every cached position, where it meets W_O.
     Both projections are applied per query token, which costs fewer
@@ -836,24 +1110,22 @@ def _absorbed(
     query_latent = query_latent.reshape(*batch, T, N, -1)  # (..., T, N, C)
     latents = latent[..., None, :].astype(query_latent.dtype)  # (..., L, 1, C): key and value
     scale = settings.scale if settings.scale is not None else H**-0.5
-    blended = attend(query_latent, latents, latents, scale=scale)  # (..., T, N, C)
-    blended = blended.reshape(*batch, T, num_kv_heads, group, -1)  # (..., T, K, G, C)
+    values, C = latents, latents.shape[-1]
+    summed = "bias" in value_params and settings.use_sinks
+    if summed:  # a channel of ones: its blend is each row's total weight on keys
+        values = jnp.concatenate([latents, jnp.ones(latents.shape[:-1] + (1,), latents.dtype)], axis=-1)
+    bias = _absorbed_key_bias(settings, grouped, key_params, scale)
+    blended = attend(query_latent, latents, values, scale=scale, bias=bias)  # (..., T, N, C [+ 1])
+    weight_sums = blended[..., C:] if summed else None  # (..., T, N, 1)
+    blended = blended[..., :C].reshape(*batch, T, num_kv_heads, group, C)  # (..., T, K, G, C)
     output = jnp.einsum(
         "...kgc,ckv->...kgv", blended, W_value, precision=settings.precision
     )  # (..., T, K, G, Hv)
     output = output.reshape(*batch, T, N, -1)  # (..., T, N, Hv)
-    if "bias" in value_params:  # b_V[k] for every row that attends to a key
-        value_bias = jnp.repeat(value_params["bias"], group, axis=0).astype(output.dtype)  # (N, Hv)
-        value_bias = value_bias.reshape((1,) * (output.ndim - 2) + value_bias.shape)  # (1.., 1, N, Hv)
-        if mask is not None:  # broadcastable to (..., N, T, L); the cache shows keys s <= t + offset
-            causal = _causal_keys(T, latent.shape[-2], query_offset)[None]  # (1, T, L)
-            visible = _and_masks(mask, causal)  # (..., N|1, T, L)
-            assert visible is not None
-            has_key = jnp.swapaxes(jnp.any(visible, axis=-1), -1, -2)[..., None]  # (..., T, N|1, 1)
-            has_key = has_key.reshape((1,) * (output.ndim - has_key.ndim) + has_key.shape)
-            value_bias = jnp.where(has_key, value_bias, 0)  # (..., T, N, Hv)
-        output = output + value_bias
-    return output  # (..., T, N, Hv)
+    if "bias" not in value_params:
+        return output
+    value_bias = jnp.repeat(value_params["bias"], group, axis=0)  # (N, Hv)
+    return _absorbed_value_bias(value_bias, output, weight_sums, mask, keys, latent.shape[-2])
 
 
 def attend_entries(
@@ -864,39 +1136,39 @@ def attend_entries(
     *,
     mask: Any,
     head_mask: Any,
-    is_causal: bool,
-    query_offset: Any,
+    keys: KeyVisibility,
+    decoding: bool,
     fits: Array | None,
     deterministic: bool,
     dropout_rng: Array | None,
     sow_module: Any,
 ) -> Array:
-    """Attention of `query` `[..., T, N, H]` over `entries` (`project_inputs`'), then W_O.
+    """Attention of `query` `[..., T, N, H]` over `entries` (`project_inputs`', rotated and
+    cached), then W_O.
 
-    `is_causal`: key s visible to query t when s <= t (top-left). `query_offset`:
-    None, or a decode cache's index (the key position of query 0; each query
-    sees the cached positions up to its own). MLA entries hold the
-    latent: K and V are rebuilt from it, or when decoding with
-    `settings.absorb_latent` the attention runs over the latents themselves
-    (`_absorbed`). `head_mask` `[batch..., N]` multiplies each head's output
-    before W_O. `fits` False (a cache overflow under jit) gives NaN.
-    Returns `[..., T, D_out]`.
+    `keys` (`KeyVisibility`): which keys each query may see besides `mask`;
+    `cache_step` gives a decode cache's. MLA entries hold the latent: K and V
+    are rebuilt from it, or when `decoding` with `settings.absorb_latent` the
+    attention runs over the latents themselves (`_absorbed`). `layers.sinks`
+    `[N]`: one sink logit per head. `head_mask` `[batch..., N]` multiplies each
+    head's output before W_O. `fits` False (a cache overflow under jit) gives
+    NaN. Returns `[..., T, D_out]`.
     """
     mask = _as_bool_mask(mask)
     attend = functools.partial(
         _call_attention_fn,
         settings,
         mask=mask,
-        is_causal=is_causal,
-        query_offset=query_offset,
+        keys=keys,
+        sinks=layers.sinks,
         deterministic=deterministic,
         dropout_rng=dropout_rng,
         sow_module=sow_module,
     )
     if "latent" not in entries:
         output = attend(query, entries["key"], entries["value"], scale=settings.scale)  # (..., T, N, Hv)
-    elif query_offset is not None and settings.absorb_latent:
-        output = _absorbed(settings, layers, query, entries["latent"], mask, query_offset, attend)
+    elif decoding and settings.absorb_latent:
+        output = _absorbed(settings, layers, query, entries["latent"], mask, keys, attend)
     else:
         key = layers.key(entries["latent"])  # (..., S, K, H)
         if layers.key_ln is not None:
@@ -922,7 +1194,8 @@ class MultiHeadAttention(nn.Module):
       `bias`), and with `normalize_qk` `query_ln`/`key_ln` (`scale` `[H]`, no
       bias: a LayerNorm of the query and key of each head). Built from the same
       `nn.DenseGeneral`/`nn.LayerNorm` with the same names, the same rng gives
-      the same parameters as flax.
+      the same parameters as flax. With `use_sinks`, one more parameter:
+      `sinks` `[N]`.
       `__call__(inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
       mask=None, deterministic=None, dropout_rng=None, sow_weights=False)`:
       inputs `[batch..., T, D]` and `[batch..., S, D_kv]` (keys default to the
@@ -964,10 +1237,28 @@ class MultiHeadAttention(nn.Module):
         `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside each kernel, which
         keeps its place) on the projections named in lora_targets (of
         `ATTENTION_LORA_TARGETS`), scaled by lora_alpha / lora_rank; 0 = none.
+      normalize_qk: flax's True (a LayerNorm), or "layernorm" (the same) or
+        "rms" (an RMSNorm: x / rms(x) * scale, eps 1e-6), over H; the
+        parameters are `query_ln`/`key_ln` `scale` `[H]` either way.
+      local_window_size: jax.nn's (an int w = (w, w), or (left, right), both
+        >= 0): query t sees key s only when t - left <= s <= t + right (in
+        positions, so after a decode cache's index). With is_causal, (w - 1, 0)
+        is a causal window of w keys, the query's own included.
+      rope_base: rotary position embeddings (RoPE) of the queries and keys
+        with this base (None: none), after the projections and query_ln /
+        key_ln, before the decode cache (which so holds rotated keys); not
+        defined with kv_latent_dim. rope_fraction: the leading
+        int(H * rope_fraction) dims of each head rotate (an even number; GPT-NeoX's
+        partial rotary; `qkv_jax.positions`).
+      attn_logits_soft_cap: c, the logits become c * tanh(logits / c) (None: off).
+      use_sinks: a learned sink logit per head (`sinks` `[N]`, zero at init)
+        in every softmax's denominator: it takes weight and gives no value.
 
     qkv_jax's call keywords: `decode` (None: the field), `head_mask`
     `[batch..., N]`, a factor per head on its attention output before W_O (0
-    ablates a head).
+    ablates a head), `segment_ids` `[batch..., T]` (integers, self-attention,
+    not when decoding): packed sequences, each query sees only the keys of its
+    own segment, and RoPE positions restart at 0 where the id changes.
 
     Decoding (`decode=True`, flax's cache): 'cache' holds `cached_key` `[batch...,
     L, K, H]`, `cached_value` `[batch..., L, K, Hv]` (or with MLA only
@@ -977,7 +1268,11 @@ class MultiHeadAttention(nn.Module):
     mutable=['cache'])` then appends its T >= 1 positions (a prompt, then a
     token at a time) and each query attends to the cached positions up to its
     own; `mask` then broadcasts to `[batch..., N, T, L]`. Appending past L
-    raises (see `advance_cache_index`).
+    raises (see `advance_cache_index`). With a window (left, right) narrower
+    than L, the cache keeps W = left + 1 slots (`cache_slots`): a ring buffer
+    where position p lives in slot p % W; it never overflows, and the queries
+    attend over the W slots and their own T positions (`mask` then
+    broadcasts to `[batch..., N, T, W + T]`).
     """
 
     num_heads: int
@@ -996,7 +1291,7 @@ class MultiHeadAttention(nn.Module):
     use_bias: bool = True
     attention_fn: Callable[..., Array] = flax_dot_product_attention
     decode: bool = False
-    normalize_qk: bool = False
+    normalize_qk: bool | str = False
     force_fp32_for_softmax: bool = False
     qkv_dot_general: Any = None
     out_dot_general: Any = None
@@ -1017,6 +1312,11 @@ class MultiHeadAttention(nn.Module):
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("query", "value")
+    local_window_size: int | tuple[int, int] | None = None
+    rope_base: float | None = None
+    rope_fraction: float = 1.0
+    attn_logits_soft_cap: float | None = None
+    use_sinks: bool = False
 
     def __post_init__(self):
         check_attention_settings(type(self).__name__, self)
@@ -1052,35 +1352,68 @@ class MultiHeadAttention(nn.Module):
             "value": self._projection((num_kv_heads, self.v_head_dim or head_dim), "value"),
             "out": self._projection(self.out_features or features, "out", axis=(-2, -1)),
         }
-        norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+        kind = qk_norm_kind(type(self).__name__, self.normalize_qk)
+        norm = functools.partial(
+            nn.RMSNorm if kind == "rms" else functools.partial(nn.LayerNorm, use_bias=False),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
         latent = self.kv_latent_dim is not None
+        sinks = (self.num_heads,)  # (N,): one sink logit per query head
         return AttentionLayers(
             **projections,
             kv_latent=self._projection(self.kv_latent_dim, "kv_latent") if latent else None,
-            query_ln=norm(name="query_ln") if self.normalize_qk else None,
-            key_ln=norm(name="key_ln") if self.normalize_qk else None,
+            query_ln=norm(name="query_ln") if kind else None,
+            key_ln=norm(name="key_ln") if kind else None,
+            sinks=self.param("sinks", nn.initializers.zeros_init(), sinks, self.param_dtype)
+            if self.use_sinks
+            else None,
             params=lambda name: projections[name].variables["params"],
         )
 
-    def _cached(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Array], Array | None, Any]:
-        """The decode cache with `entries` appended: (all L cached entries, whether they fit, the
-        index of the first new position). The first call (inside `init`) creates the cache and
-        returns `entries`, None, None."""
+    def _cache(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Any], Any] | None:
+        """The decode cache's variables (cached entries, cache_index), or None on the first call
+        (inside `init`), which creates them: `cache_slots` positions of the entries' length."""
         initialized = self.has_variable("cache", "cache_index")
+
+        def shape(x: Array) -> tuple[int, ...]:
+            return (
+                x.shape[:axis] + (cache_slots(self.local_window_size, x.shape[axis]),) + x.shape[axis + 1 :]
+            )
+
         cached = {
-            name: self.variable("cache", f"cached_{name}", jnp.zeros, x.shape, x.dtype)
+            name: self.variable("cache", f"cached_{name}", jnp.zeros, shape(x), x.dtype)
             for name, x in entries.items()
         }
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        if not initialized:
-            return entries, None, None
-        start = index.value
-        written, index.value, fits = append_to_cache(
-            type(self).__name__, {name: c.value for name, c in cached.items()}, start, entries, axis
+        return (cached, index) if initialized else None
+
+    def _append(
+        self, cache: tuple[dict[str, Any], Any], entries: dict[str, Array], axis: int
+    ) -> tuple[dict[str, Array], KeyVisibility, Array | None]:
+        """`cache_step` on the cache variables, which it updates: (the entries to attend over,
+        which of them each query sees, whether the positions fit)."""
+        cached, index = cache
+        written, index.value, attended, keys, fits = cache_step(
+            type(self).__name__,
+            self.local_window_size,
+            {name: c.value for name, c in cached.items()},
+            index.value,
+            entries,
+            axis,
         )
         for name, variable in cached.items():
             variable.value = written[name]
-        return written, fits, start
+        return attended, keys, fits
+
+    def _dropout_arguments(self, deterministic: bool | None, dropout_rng: Array | None):
+        """flax's rule: `deterministic` (merged with the field) is needed only with dropout."""
+        if self.dropout_rate == 0.0:
+            return True, dropout_rng
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if not deterministic and dropout_rng is None:
+            dropout_rng = self.make_rng("dropout")
+        return deterministic, dropout_rng
 
     @nn.compact
     def __call__(
@@ -1096,23 +1429,26 @@ class MultiHeadAttention(nn.Module):
         sow_weights: bool = False,
         decode: bool | None = None,
         head_mask: Array | None = None,
+        segment_ids: Array | None = None,
     ) -> Array:
         owner = type(self).__name__
         inputs_k, inputs_v = resolve_inputs(owner, inputs_q, inputs_k, inputs_v, inputs_kv)
         _check_inputs(owner, "inputs_q", inputs_q)
         _check_inputs(owner, "inputs_k", inputs_k)
+        decode = self.decode if decode is None else decode
+        check_segment_ids(owner, segment_ids, decode)
         layers = self._layers(inputs_q.shape[-1])
         query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
-        fits = start = None
-        decode = self.decode if decode is None else decode
-        if decode:
-            entries, fits, start = self._cached(entries, axis=inputs_k.ndim - 2)
-        if self.dropout_rate > 0.0:  # flax's rule: `deterministic` is needed only with dropout
-            deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-            if not deterministic and dropout_rng is None:
-                dropout_rng = self.make_rng("dropout")
-        else:
-            deterministic = True
+        axis = inputs_k.ndim - 2
+        cache = self._cache(entries, axis) if decode else None
+        positions = input_positions(
+            owner, query.shape[-3], inputs_k.shape[-2], None if cache is None else cache[1].value, segment_ids
+        )
+        query, entries = rotate_inputs(owner, self, query, entries, *positions)
+        keys, fits = full_pass_keys(owner, self.local_window_size, self.is_causal, segment_ids), None
+        if cache is not None:
+            entries, keys, fits = self._append(cache, entries, axis)
+        deterministic, dropout_rng = self._dropout_arguments(deterministic, dropout_rng)
         return attend_entries(
             self,
             layers,
@@ -1120,8 +1456,8 @@ class MultiHeadAttention(nn.Module):
             entries,
             mask=mask,
             head_mask=head_mask,
-            is_causal=self.is_causal,
-            query_offset=start,
+            keys=keys,
+            decoding=cache is not None,
             fits=fits,
             deterministic=deterministic,
             dropout_rng=dropout_rng,

@@ -40,15 +40,22 @@ from qkv_jax.attention import PrecisionLike
 from qkv_jax.lora import check_adapter, default_lora_a_init, lora_update
 from qkv_jax.modules import (
     AttentionLayers,
+    KeyVisibility,
     _check_inputs,
     _check_positive,
-    append_to_cache,
     attend_entries,
+    cache_slots,
+    cache_step,
     check_attention_settings,
+    check_segment_ids,
     flax_dot_product_attention,
+    full_pass_keys,
+    input_positions,
     project_inputs,
+    qk_norm_kind,
     resolve_head_dim,
     resolve_inputs,
+    rotate_inputs,
 )
 
 Array = jax.Array
@@ -88,6 +95,11 @@ _CHECKED_FIELDS = (
     "lora_rank",
     "lora_alpha",
     "lora_targets",
+    "local_window_size",
+    "rope_base",
+    "rope_fraction",
+    "attn_logits_soft_cap",
+    "use_sinks",
 )
 _PLAIN_FIELDS = (
     "in_features",
@@ -168,11 +180,16 @@ class MultiHeadAttention(nnx.Module):
     `[C, K, H]`, the cache holds `cached_latent` `[batch..., L, C]`),
     absorb_latent, is_causal (key s visible to query t when s <= t), scale,
     force_fp32_for_softmax, sow_weights, attention_implementation, lora_rank,
-    lora_alpha, lora_targets (`qkv_jax.lora.LoRALinearGeneral` projections).
+    lora_alpha, lora_targets (`qkv_jax.lora.LoRALinearGeneral` projections),
+    normalize_qk also "layernorm" or "rms" (`nnx.RMSNorm`), local_window_size
+    (a ring-buffer cache of left + 1 slots when narrower than the cache),
+    rope_base and rope_fraction (RoPE), attn_logits_soft_cap, use_sinks
+    (`sinks` `[N]`, an `nnx.Param`, zero at init).
 
     `__call__(inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
     deterministic=None, rngs=None, sow_weights=False, decode=None,
-    is_causal=None, out_sharding=None, qkv_sharding=None, head_mask=None)`:
+    is_causal=None, out_sharding=None, qkv_sharding=None, head_mask=None,
+    segment_ids=None)`:
     inputs `[batch..., T, in_features]` and `[batch..., S, in_kv_features]`,
     returns `[batch..., T, out_features]`. Call arguments take precedence over
     the constructor's. Sown weights `[batch..., N, T, S]` go to
@@ -200,7 +217,7 @@ class MultiHeadAttention(nnx.Module):
     use_bias: bool
     attention_fn: Callable[..., Array]
     decode: bool | None
-    normalize_qk: bool
+    normalize_qk: bool | str
     absorb_latent: bool
     is_causal: bool
     scale: float | None
@@ -210,6 +227,11 @@ class MultiHeadAttention(nnx.Module):
     lora_rank: int
     lora_alpha: float
     lora_targets: tuple[str, ...]
+    local_window_size: int | tuple[int, int] | None
+    rope_base: float | None
+    rope_fraction: float
+    attn_logits_soft_cap: float | None
+    use_sinks: bool
 
     def __init__(
         self,
@@ -233,7 +255,7 @@ class MultiHeadAttention(nnx.Module):
         use_bias: bool = True,
         attention_fn: Callable[..., Array] = flax_dot_product_attention,
         decode: bool | None = None,
-        normalize_qk: bool = False,
+        normalize_qk: bool | str = False,
         qkv_promote_dtype: Any = nnx_dtypes.promote_dtype,
         out_promote_dtype: Any = nnx_dtypes.promote_dtype,
         ln_promote_dtype: Any = nnx_dtypes.promote_dtype,
@@ -261,6 +283,11 @@ class MultiHeadAttention(nnx.Module):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] = ("query", "value"),
+        local_window_size: int | tuple[int, int] | None = None,
+        rope_base: float | None = None,
+        rope_fraction: float = 1.0,
+        attn_logits_soft_cap: float | None = None,
+        use_sinks: bool = False,
     ):
         given = types.SimpleNamespace(**{name: value for name, value in locals().items() if name != "self"})
         self._settle(given)
@@ -324,13 +351,13 @@ class MultiHeadAttention(nnx.Module):
             key_in = self.kv_latent_dim
         self.key = self._projection(given, "key", key_in, (kv_heads, self.head_dim))
         self.value = self._projection(given, "value", key_in, (kv_heads, self.v_head_dim))
-        self.query_ln: nnx.LayerNorm | None = nnx.data(None)
-        self.key_ln: nnx.LayerNorm | None = nnx.data(None)
-        if self.normalize_qk:
+        self.query_ln: nnx.LayerNorm | nnx.RMSNorm | None = nnx.data(None)
+        self.key_ln: nnx.LayerNorm | nnx.RMSNorm | None = nnx.data(None)
+        kind = qk_norm_kind(_OWNER, self.normalize_qk)
+        if kind:
             norm = functools.partial(
-                nnx.LayerNorm,
+                nnx.RMSNorm if kind == "rms" else functools.partial(nnx.LayerNorm, use_bias=False),
                 self.head_dim,
-                use_bias=False,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 promote_dtype=given.ln_promote_dtype,
@@ -341,6 +368,9 @@ class MultiHeadAttention(nnx.Module):
         self.out = self._projection(
             given, "out", (self.num_heads, self.v_head_dim), self.out_features, axis=(-2, -1)
         )
+        self.sinks: nnx.Param | None = nnx.data(None)
+        if self.use_sinks:  # (N,): one sink logit per query head
+            self.sinks = nnx.Param(jnp.zeros((self.num_heads,), self.param_dtype))
         self.rngs = given.rngs.dropout.fork() if given.keep_rngs and self.dropout_rate > 0 else None
         for name in self._cache_names():
             setattr(self, f"cached_{name}", nnx.data(None))
@@ -361,6 +391,7 @@ class MultiHeadAttention(nnx.Module):
             kv_latent=None if self.kv_latent is None else sharded(self.kv_latent, qkv_sharding),
             query_ln=self.query_ln,
             key_ln=self.key_ln,
+            sinks=None if self.sinks is None else self.sinks[...],
             params=lambda name: nnx.to_pure_dict(nnx.state(getattr(self, name), nnx.Param)),
         )
 
@@ -369,9 +400,11 @@ class MultiHeadAttention(nnx.Module):
 
         `cached_key` `[batch..., max_length, K, H]` and `cached_value` `[...,
         K, Hv]` (with MLA `cached_latent` `[batch..., max_length, C]`) in
-        `dtype`, and `cache_index` 0.
+        `dtype`, and `cache_index` 0. With a window narrower than max_length,
+        `cache_slots` positions (a ring buffer) instead of max_length.
         """
-        positions = tuple(input_shape[:-1])  # (batch..., max_length)
+        slots = cache_slots(self.local_window_size, input_shape[-2])
+        positions = (*input_shape[:-2], slots)  # (batch..., max_length or the ring's slots)
         widths = {
             "key": (self.num_kv_heads, self.head_dim),
             "value": (self.num_kv_heads, self.v_head_dim),
@@ -419,6 +452,7 @@ class MultiHeadAttention(nnx.Module):
         out_sharding: Any = None,
         qkv_sharding: Any = None,
         head_mask: Array | None = None,
+        segment_ids: Array | None = None,
     ) -> Array:
         inputs_k, inputs_v = resolve_inputs(_OWNER, inputs_q, inputs_k, inputs_v, None, warn_square=False)
         _check_inputs(_OWNER, "inputs_q", inputs_q)
@@ -427,11 +461,21 @@ class MultiHeadAttention(nnx.Module):
                 f"{_OWNER}: inputs_q has {inputs_q.shape[-1]} features (shape {inputs_q.shape}), "
                 f"in_features={self.in_features}"
             )
+        decoding = first_from(
+            decode, self.decode, error_msg=f"{_OWNER}: pass decode to the constructor or the call"
+        )
+        check_segment_ids(_OWNER, segment_ids, decoding)
+        if decoding and self.cache_index is None:
+            raise ValueError(f"{_OWNER}: the decode cache is not initialized; call init_cache first")
         layers = self._layers(qkv_sharding, out_sharding)
         query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
-        fits = start = None
-        if first_from(decode, self.decode, error_msg=f"{_OWNER}: pass decode to the constructor or the call"):
-            entries, fits, start = self._cached(entries, axis=inputs_k.ndim - 2)
+        start = self.cache_index[...] if decoding and self.cache_index is not None else None
+        positions = input_positions(_OWNER, query.shape[-3], inputs_k.shape[-2], start, segment_ids)
+        query, entries = rotate_inputs(_OWNER, self, query, entries, *positions)
+        is_causal = self.is_causal if is_causal is None else is_causal
+        keys, fits = full_pass_keys(_OWNER, self.local_window_size, is_causal, segment_ids), None
+        if decoding:
+            entries, keys, fits = self._append(entries, axis=inputs_k.ndim - 2)
         deterministic, dropout_rng = self._dropout(deterministic, rngs)
         return attend_entries(
             self,
@@ -440,25 +484,25 @@ class MultiHeadAttention(nnx.Module):
             entries,
             mask=mask,
             head_mask=head_mask,
-            is_causal=self.is_causal if is_causal is None else is_causal,
-            query_offset=start,
+            keys=keys,
+            decoding=decoding,
             fits=fits,
             deterministic=deterministic,
             dropout_rng=dropout_rng,
             sow_module=self if sow_weights or self.sow_weights else None,
         )
 
-    def _cached(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Array], Array, Array]:
-        """The cache with `entries` appended: (all cached entries, whether they fit, the index of the
-        first new position); the cache variables are updated."""
-        if self.cache_index is None:
-            raise ValueError(f"{_OWNER}: the decode cache is not initialized; call init_cache first")
+    def _append(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Array], KeyVisibility, Any]:
+        """`cache_step` on the cache variables, which it updates: (the entries to attend over,
+        which of them each query sees, whether the positions fit)."""
         cached = {name: getattr(self, f"cached_{name}")[...] for name in entries}
-        start = self.cache_index[...]
-        written, self.cache_index[...], fits = append_to_cache(_OWNER, cached, start, entries, axis)
+        assert self.cache_index is not None
+        written, self.cache_index[...], attended, keys, fits = cache_step(
+            _OWNER, self.local_window_size, cached, self.cache_index[...], entries, axis
+        )
         for name, value in written.items():
             getattr(self, f"cached_{name}")[...] = value
-        return written, fits, start
+        return attended, keys, fits
 
     def _dropout(self, deterministic: bool | None, rngs: Any) -> tuple[bool, Array | None]:
         """flax.nnx's rule: `deterministic` (the call's, else the constructor's) is needed only with
@@ -483,18 +527,19 @@ class MultiHeadAttention(nnx.Module):
 class TransformerBlock(nnx.Module):
     """`qkv_jax.lm.TransformerBlock` as an nnx module: the same sub-module names and math.
 
-    `TransformerBlock(config, *, rngs)`; `__call__(x, deterministic=True,
-    decode=False, head_mask=None)` on `[batch..., T, d_model]`.
+    `TransformerBlock(config, *, rngs, layer=0)` (`layer` picks its window);
+    `__call__(x, deterministic=True, decode=False, head_mask=None,
+    segment_ids=None)` on `[batch..., T, d_model]`.
     """
 
-    def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         width, hidden = config.d_model, config.mlp_dim or 4 * config.d_model
         norm = functools.partial(
             nnx.LayerNorm, width, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
         )
         self.attention_norm = norm()
         self.attention = MultiHeadAttention(
-            in_features=width, decode=False, rngs=rngs, **lm.attention_options(config)
+            in_features=width, decode=False, rngs=rngs, **lm.attention_options(config, layer)
         )
         self.mlp_norm = norm()
         dense: Any = nnx.Linear
@@ -507,9 +552,15 @@ class TransformerBlock(nnx.Module):
         self.mlp_out = dense(hidden, width, **options)
         self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
 
-    def __call__(self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None) -> Array:
+    def __call__(
+        self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None
+    ) -> Array:
         h = self.attention(
-            self.attention_norm(x), deterministic=deterministic, decode=decode, head_mask=head_mask
+            self.attention_norm(x),
+            deterministic=deterministic,
+            decode=decode,
+            head_mask=head_mask,
+            segment_ids=segment_ids,
         )  # (..., T, D)
         x = x + self.dropout(h, deterministic=deterministic)
         h = nnx.gelu(self.mlp_in(self.mlp_norm(x)))  # (..., T, mlp_dim)
@@ -520,10 +571,11 @@ class TransformerLM(nnx.Module):
     """`qkv_jax.lm.TransformerLM` as an nnx module, built from the same `TransformerConfig`.
 
     `TransformerLM(config, *, rngs)`; `__call__(tokens, deterministic=True,
-    decode=False, head_mask=None)`: int tokens `[batch..., T]` -> float32
-    logits `[batch..., T, vocab_size]`. Attributes `token_embedding`,
-    `position_embedding`, `block_0` ... `block_{L-1}`, `final_norm`, `head`:
-    the linen model's parameter names (`linen_to_nnx`, `nnx_to_linen`).
+    decode=False, head_mask=None, segment_ids=None)`: int tokens `[batch...,
+    T]` -> float32 logits `[batch..., T, vocab_size]`. Attributes
+    `token_embedding`, `position_embedding` (learned positions only),
+    `block_0` ... `block_{L-1}`, `final_norm`, `head`: the linen model's
+    parameter names (`linen_to_nnx`, `nnx_to_linen`).
     `init_cache(batch_size)` makes room for `config.max_len` positions;
     decoding continues the positions from `cache_index`.
     """
@@ -538,11 +590,13 @@ class TransformerLM(nnx.Module):
             param_dtype=config.param_dtype,
             rngs=rngs,
         )
-        self.position_embedding = nnx.Param(
-            lm.embedding_init(rngs.params(), (config.max_len, config.d_model), config.param_dtype)
-        )
+        self.position_embedding: nnx.Param | None = nnx.data(None)
+        if config.positions == "learned":
+            self.position_embedding = nnx.Param(
+                lm.embedding_init(rngs.params(), (config.max_len, config.d_model), config.param_dtype)
+            )
         for layer in range(config.num_layers):
-            setattr(self, f"block_{layer}", TransformerBlock(config, rngs=rngs))
+            setattr(self, f"block_{layer}", TransformerBlock(config, rngs=rngs, layer=layer))
         self.final_norm = nnx.LayerNorm(
             config.d_model, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
         )
@@ -570,20 +624,27 @@ class TransformerLM(nnx.Module):
             block.attention.init_cache((batch_size, config.max_len, config.d_model), dtype)
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
-    def __call__(self, tokens: Array, deterministic: bool = True, decode: bool = False, head_mask=None):
+    def __call__(
+        self,
+        tokens: Array,
+        deterministic: bool = True,
+        decode: bool = False,
+        head_mask=None,
+        segment_ids=None,
+    ):
         config = self.config
-        lm.check_tokens(tokens, decode, config.max_len)
-        length = tokens.shape[-1]
-        if decode:  # the positions continue from the cache
-            if self.cache_index is None:
-                raise ValueError("qkv_jax.nnx.TransformerLM: decoding needs init_cache(batch_size) first")
-            self.cache_index[...], positions = lm.decode_positions(
-                self.cache_index[...], length, config.max_len
-            )
-            position_embedding = jnp.take(self.position_embedding[...], positions, axis=0)  # (T, D)
-        else:
-            position_embedding = self.position_embedding[:length]  # (T, D)
-        x = lm.add_positions(self.token_embedding(tokens), position_embedding)  # (..., T, D)
+        lm.check_tokens(tokens, decode, config, segment_ids)
+        if decode and self.cache_index is None:
+            raise ValueError("qkv_jax.nnx.TransformerLM: decoding needs init_cache(batch_size) first")
+        index = self.cache_index[...] if decode and self.cache_index is not None else None
+        new_index, positions = lm.token_positions(
+            tokens.shape[-1], index, segment_ids, lm.decode_capacity(config)
+        )
+        if self.cache_index is not None and index is not None:
+            self.cache_index[...] = new_index
+        x = self.token_embedding(tokens)  # (..., T, D)
+        if self.position_embedding is not None:
+            x = lm.add_positions(x, self.position_embedding[...], positions)  # (..., T, D)
         x = self.dropout(x, deterministic=deterministic)
         if head_mask is not None and jnp.shape(head_mask) != (config.num_layers, config.num_heads):
             raise ValueError(
@@ -592,7 +653,7 @@ class TransformerLM(nnx.Module):
             )
         for layer, block in enumerate(self.blocks()):
             layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
-            x = block(x, deterministic, decode, layer_mask)  # (..., T, D)
+            x = block(x, deterministic, decode, layer_mask, segment_ids)  # (..., T, D)
         logits = self.head(self.final_norm(x))  # (..., T, V)
         return logits.astype(jnp.float32)
 
