@@ -146,4 +146,21 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     section.lora_alpha = 16.0
     # Comma-separated: query, key, value, out (attention), kv_latent (MLA), mlp (mlp_in and mlp_out).
     section.lora_targets = "query,value"
+    # Position signal: learned (a table of max_len embeddings), rope (rotary, in each head's queries
+    # and keys; not with kv_latent_dim) or none (causal attention infers position).
+    section.positions = "learned"
+    # RoPE's base: pair i of the r rotated dims turns by position * rope_base^(-2i / r).
+    section.rope_base = 10000.0
+    # The leading fraction of each head's dims that RoPE rotates (int(head_dim * this), even).
+    section.rope_fraction = 1.0
+    # Sliding windows per layer, comma-separated and cycled over the layers: an int w = each query
+    # sees itself and the w - 1 tokens before it (its decode cache keeps w positions), full = a
+    # global layer; e.g. "64,full" alternates local and global layers. Unset = every layer global.
+    section.window = config_dict.placeholder(str)
+    # Normalize each head's queries and keys over head_dim: none, layernorm or rms.
+    section.normalize_qk = "none"
+    # Soft-cap the attention logits at c: c * tanh(logits / c); unset = off.
+    section.attn_logits_soft_cap = config_dict.placeholder(float)
+    # A learned sink logit per head and layer that takes attention weight and gives no value.
+    section.sinks = False
     return section

@@ -43,6 +43,7 @@ from qkv_jax.modules import (
     _check_positive,
     advance_cache_index,
     check_segment_ids,
+    check_soft_cap,
     qk_norm_kind,
 )
 from qkv_jax.positions import check_rope, rotary_dims, segment_positions
@@ -219,9 +220,7 @@ def _check_attention_variants(owner: str, config: TransformerConfig) -> None:
             f"{owner}: normalize_qk={config.normalize_qk!r} with kv_latent_dim={config.kv_latent_dim} needs "
             "absorb_latent=False (a norm of the keys does not fold into the query)"
         )
-    cap = config.attn_logits_soft_cap
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-        raise ValueError(f"{owner}: attn_logits_soft_cap={cap!r} must be a number > 0 (or None)")
+    check_soft_cap(owner, config.attn_logits_soft_cap)
     if not isinstance(config.sinks, bool):
         raise ValueError(f"{owner}: sinks={config.sinks!r} must be True or False")
 

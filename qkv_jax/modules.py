@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -690,9 +691,15 @@ def _check_positions(owner: str, settings: Any) -> None:
             f"{owner}: rope_base={settings.rope_base} with kv_latent_dim={settings.kv_latent_dim}: RoPE "
             "with MLA is not defined without DeepSeek-V2's decoupled rotary key, which qkv_jax does not have"
         )
-    cap = settings.attn_logits_soft_cap
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-        raise ValueError(f"{owner}: attn_logits_soft_cap={cap!r} must be a number > 0 (or None)")
+    check_soft_cap(owner, settings.attn_logits_soft_cap)
+
+
+def check_soft_cap(owner: str, cap: Any) -> None:
+    """ValueError naming `attn_logits_soft_cap` unless it is None or a finite number > 0."""
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf
+    ):
+        raise ValueError(f"{owner}: attn_logits_soft_cap={cap!r} must be a finite number > 0 (or None)")
 
 
 def resolve_inputs(

@@ -16,6 +16,7 @@ their positions only through p - q.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -31,8 +32,12 @@ def check_rope(owner: str, base: Any, fraction: Any) -> None:
     """ValueError naming `rope_base` or `rope_fraction` unless base > 0 (or None: no RoPE) and
     0 < fraction <= 1."""
     number = (int, float)
-    if base is not None and (isinstance(base, bool) or not isinstance(base, number) or not base > 0):
-        raise ValueError(f"{owner}: rope_base={base!r} must be a number > 0 (or None: no rotary embedding)")
+    if base is not None and (
+        isinstance(base, bool) or not isinstance(base, number) or not 0 < base < math.inf
+    ):
+        raise ValueError(
+            f"{owner}: rope_base={base!r} must be a finite number > 0 (or None: no rotary embedding)"
+        )
     if isinstance(fraction, bool) or not isinstance(fraction, number) or not 0 < fraction <= 1:
         raise ValueError(f"{owner}: rope_fraction={fraction!r} must be a number in (0, 1]")
 

@@ -20,9 +20,12 @@ import pytest
 from flax import nnx
 
 import qkv_jax
+from configs import common
 from qkv_jax import lm
 from qkv_jax import nnx as qnnx
 from qkv_jax.positions import apply_rope, rotary_dims, segment_positions
+from qkv_jax.tasks.transformer import transformer_config
+from qkv_jax.training.validate import ConfigError
 
 VOCAB, LAYERS, D, N, MAX_LEN, B = 11, 2, 16, 4, 12, 2
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (B, MAX_LEN), 0, VOCAB)
@@ -420,14 +423,14 @@ def test_a_packed_row_equals_its_documents_run_alone(positions):
     [
         (dict(positions="rope", kv_latent_dim=8), "RoPE with MLA is not defined without DeepSeek-V2"),
         (dict(positions="alibi"), "positions='alibi' must be one of learned, rope, none"),
-        (dict(positions="rope", rope_base=0), "rope_base=0 must be a number > 0"),
+        (dict(positions="rope", rope_base=0), "rope_base=0 must be a finite number > 0"),
         (dict(positions="rope", rope_fraction=0.1), "rope_fraction=0.1 of head_dim=4 rotates 0 dims"),
         (dict(window=0), "window=0 must be None, an int >= 1"),
         (dict(window=(3, "full")), r"window=\(3, 'full'\) must be None"),
         (dict(window=()), r"window=\(\) must be None"),
         (dict(normalize_qk="l2"), "normalize_qk='l2' must be False, True, 'layernorm' or 'rms'"),
         (dict(normalize_qk="rms", kv_latent_dim=8), "normalize_qk='rms' with kv_latent_dim=8 needs"),
-        (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap=-1.0 must be a number > 0"),
+        (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap=-1.0 must be a finite number > 0"),
         (dict(sinks=1), "sinks=1 must be True or False"),
     ],
 )
@@ -466,3 +469,46 @@ def test_segment_ids_are_refused_when_decoding():
         )
     with pytest.raises(ValueError, match="segment_ids must be integers of the tokens' shape"):
         packed.apply({"params": params}, TOKENS, segment_ids=jnp.zeros((B, 3), jnp.int32))
+
+
+# ------------------------------------------------------------------------------- the config
+
+
+def test_the_model_section_spells_every_variant():
+    section = common.transformer(num_layers=3, d_model=D, num_heads=N, max_len=MAX_LEN).to_dict()
+    section.update(positions="rope", rope_fraction=0.5, window="5, full", normalize_qk="rms", sinks=True)
+    section.update(attn_logits_soft_cap=30.0)
+    config = transformer_config(section, VOCAB)
+    assert (config.positions, config.rope_base, config.rope_fraction) == ("rope", 10000.0, 0.5)
+    assert config.window == (5, None) and lm.layer_windows(config) == (5, None, 5)
+    assert (config.normalize_qk, config.attn_logits_soft_cap, config.sinks) == ("rms", 30.0, True)
+    assert lm.attention_options(config, 2)["local_window_size"] == (4, 0)
+    defaults = transformer_config(common.transformer(num_layers=2, d_model=D, num_heads=N, max_len=8), VOCAB)
+    assert (defaults.positions, defaults.window, defaults.normalize_qk, defaults.sinks) == (
+        "learned",
+        None,
+        False,
+        False,
+    )
+    assert transformer_config({**section, "window": "7"}, VOCAB).window == 7
+    assert transformer_config({**section, "window": "full"}, VOCAB).window is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("window", "64,global", r"model.window='64,global': expected comma-separated window sizes"),
+        ("window", "²", r"model.window='²': expected"),
+        ("window", "0,full", r"model.window=\(0, None\) must be None"),
+        ("normalize_qk", "l2", "model.normalize_qk='l2': unknown; choose one of none, layernorm, rms"),
+        ("positions", "alibi", "model.positions='alibi' must be one of learned, rope, none"),
+        ("rope_base", float("inf"), "model.rope_base=inf must be a finite number > 0"),
+        ("attn_logits_soft_cap", float("nan"), "model.attn_logits_soft_cap=nan must be a finite number"),
+    ],
+)
+def test_the_model_section_refuses_in_one_line_naming_the_field(field, value, message):
+    section = common.transformer(num_layers=2, d_model=D, num_heads=N, max_len=8).to_dict()
+    section.update({"positions": "rope", field: value})
+    with pytest.raises(ConfigError, match=message) as caught:
+        transformer_config(section, VOCAB)
+    assert "\n" not in str(caught.value)

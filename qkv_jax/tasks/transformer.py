@@ -1,7 +1,9 @@
 """What every TransformerLM task shares: the model from a config's `model` section, the loss.
 
 The `model` section's fields are `qkv_jax.TransformerConfig`'s, by name (a
-dtype by its name, e.g. "bfloat16"; lora_targets comma-separated), so a new
+dtype by its name, e.g. "bfloat16"; lora_targets comma-separated; window as
+comma-separated ints and "full", e.g. "64,full"; normalize_qk "none",
+"layernorm" or "rms"), so a new
 model option is a field of TransformerConfig and of
 `configs/common.py:transformer`, and nothing here. TransformerConfig checks
 its own fields where it is built; `make_model` turns its ValueError into the
@@ -23,6 +25,8 @@ from qkv_jax.training.validate import ConfigError
 
 __all__ = [
     "PRECISIONS",
+    "NORMALIZE_QK",
+    "parse_window",
     "transformer_config",
     "make_model",
     "check_sequence_length",
@@ -37,6 +41,10 @@ __all__ = [
 _FIELDS = tuple(field.name for field in dataclasses.fields(TransformerConfig))
 # model.precision: jax.lax.Precision's names (flax's spelling).
 PRECISIONS = ("default", "high", "highest")
+# model.normalize_qk's words and TransformerConfig's values.
+NORMALIZE_QK = {"none": False, "layernorm": "layernorm", "rms": "rms"}
+# model.window's word for a global layer.
+GLOBAL_WINDOW = "full"
 
 
 def _config_message(error: Exception) -> str:
@@ -59,8 +67,7 @@ def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) ->
         raise ConfigError(
             f"model.{name}={fields[name]!r}: not a dtype name (e.g. float32, bfloat16)"
         ) from None
-    if isinstance(fields.get("lora_targets"), str):
-        fields["lora_targets"] = tuple(t.strip() for t in fields["lora_targets"].split(",") if t.strip())
+    fields.update(_parsed_words(fields))
     if fields.get("precision") is not None and fields["precision"] not in PRECISIONS:
         raise ConfigError(
             f"model.precision={fields['precision']!r}: unknown; choose one of {', '.join(PRECISIONS)}"
@@ -69,6 +76,37 @@ def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) ->
         return TransformerConfig(**{**fields, "vocab_size": vocab_size, **overrides})
     except (TypeError, ValueError) as error:
         raise ConfigError(_config_message(error)) from None
+
+
+def _parsed_words(fields: dict) -> dict:
+    """The fields a config spells as words or comma lists, as TransformerConfig takes them."""
+    parsed: dict[str, Any] = {}
+    if isinstance(fields.get("lora_targets"), str):
+        parsed["lora_targets"] = tuple(t.strip() for t in fields["lora_targets"].split(",") if t.strip())
+    if isinstance(fields.get("window"), str):
+        parsed["window"] = parse_window(fields["window"])
+    normalize_qk = fields.get("normalize_qk")
+    if isinstance(normalize_qk, str):
+        if normalize_qk not in NORMALIZE_QK:
+            raise ConfigError(
+                f"model.normalize_qk={normalize_qk!r}: unknown; choose one of {', '.join(NORMALIZE_QK)}"
+            )
+        parsed["normalize_qk"] = NORMALIZE_QK[normalize_qk]
+    return parsed
+
+
+def parse_window(text: str) -> int | tuple[int | None, ...] | None:
+    """model.window: "64" (every layer local, 64 keys), "full" (every layer global), or a comma
+    list cycled over the layers, e.g. "64,full" (local and global alternating). ConfigError
+    naming the field for anything else."""
+    entries = [entry.strip() for entry in text.split(",")]
+    if not all(entry == GLOBAL_WINDOW or entry.isdecimal() for entry in entries):
+        raise ConfigError(
+            f"model.window={text!r}: expected comma-separated window sizes (ints >= 1, the keys each "
+            f"query sees) or {GLOBAL_WINDOW!r} for a global layer, e.g. '64,{GLOBAL_WINDOW}'"
+        )
+    windows = tuple(None if entry == GLOBAL_WINDOW else int(entry) for entry in entries)
+    return windows[0] if len(windows) == 1 else windows
 
 
 def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerLM:
