@@ -7,8 +7,11 @@ number per head for each of:
   distance         mean |query position - key position| under the weights;
   previous_token   mean weight on the key just before the query's position;
   first_token      mean weight on key position 0;
-  max_weight       mean of each row's largest weight.
-Queries are taken as the last T of the S positions, as in `causal_mask`.
+  max_weight       mean of each row's largest weight;
+  sink_mass        (with `sinks=True`) the mean weight the head's sink takes:
+                   1 minus the row's weights on keys (`sink_mass`).
+Queries are taken as the last T of the S positions, as in `causal_mask`. A
+sliding window of w keys bounds a head's `distance` by w - 1.
 
 `collect_attention_weights` gathers every sown `attention_weights` of a Flax
 variables tree (one entry per layer); `induction_scores` measures, for an LM,
@@ -24,11 +27,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["head_diagnostics", "collect_attention_weights", "induction_scores", "repeated_sequence"]
+__all__ = [
+    "head_diagnostics",
+    "sink_mass",
+    "collect_attention_weights",
+    "induction_scores",
+    "repeated_sequence",
+]
 
 
-def head_diagnostics(weights: jax.Array) -> dict[str, jax.Array]:
-    """Per-head statistics of attention weights `[batch..., N, T, S]`; each value is `[N]`."""
+def sink_mass(weights: Any) -> jax.Array:
+    """`[N]`: the mean share of each query row that a head's sink takes, from the weights on the
+    keys `[batch..., N, T, S]` (with sinks a row sums to 1 minus its sink's share)."""
+    weights = jnp.asarray(weights, jnp.float32)
+    rows = weights.reshape(-1, *weights.shape[-3:])  # (B, N, T, S)
+    return (1.0 - rows.sum(axis=-1)).mean(axis=(0, 2))
+
+
+def head_diagnostics(weights: jax.Array, sinks: bool = False) -> dict[str, jax.Array]:
+    """Per-head statistics of attention weights `[batch..., N, T, S]`; each value is `[N]`.
+
+    `sinks`: the attention had sinks (`sink_mass` is added; without sinks every
+    row that sees a key sums to 1)."""
     weights = jnp.asarray(weights, jnp.float32)
     if weights.ndim < 3:
         raise ValueError(f"head_diagnostics: weights must be [batch..., N, T, S], got shape {weights.shape}")
@@ -43,13 +63,16 @@ def head_diagnostics(weights: jax.Array) -> dict[str, jax.Array]:
     entropy = -jnp.sum(jnp.where(rows > 0, rows * jnp.log(jnp.where(rows > 0, rows, 1.0)), 0.0), axis=-1)
     distance = jnp.sum(rows * jnp.abs(query_pos - key_pos)[None, None], axis=-1)  # (B, N, T)
     previous = jnp.sum(rows * (key_pos == query_pos - 1)[None, None], axis=-1)  # (B, N, T)
-    return {
+    statistics = {
         "entropy": mean_over_rows(entropy),
         "distance": mean_over_rows(distance),
         "previous_token": mean_over_rows(previous),
         "first_token": mean_over_rows(rows[..., 0]),
         "max_weight": mean_over_rows(rows.max(axis=-1)),
     }
+    if sinks:
+        statistics["sink_mass"] = sink_mass(rows)
+    return statistics
 
 
 def collect_attention_weights(intermediates: Any) -> dict[str, jax.Array]:

@@ -205,6 +205,10 @@ def _bad(path, value):
             _bad(["diagnostics", "rows", 0, "entropy"], "low"),
             r"data['diagnostics']['rows'][0]['entropy']: expected",
         ),
+        (
+            _bad(["diagnostics", "labels"], {"window": "full"}),
+            "data['diagnostics']['labels']: expected {column: str} over the columns",
+        ),
     ],
 )
 def test_bad_data_is_a_value_error_naming_the_key(run_data, tmp_path, mutate, message):
@@ -393,3 +397,24 @@ def test_sweep_page_sorts_and_links(browser, tmp_path):
         assert means == ["0.5", "0.2", "0.05", ""]  # still last
         hrefs = page.locator("#results a").evaluate_all("links => links.map(a => a.getAttribute('href'))")
         assert hrefs == ["cells/b/report.html"] * 5
+
+
+def test_labelled_missing_values_show_their_label_and_sort_last(browser, tmp_path):
+    """A language model's window column: a number per local layer, "full" for a global one."""
+    data = synthetic_run_data(seed=4)
+    data["diagnostics"]["columns"] += ["window", "sink_mass"]
+    for row in data["diagnostics"]["rows"]:
+        row["window"] = 64 if row["layer"] == 0 else None
+        row["sink_mass"] = 0.1 * row["head"] + 0.05 * row["layer"]
+    data["diagnostics"]["labels"] = {"window": "full"}
+    page_path = write_run_page(tmp_path / "report.html", data)
+    with open_page(browser, page_path) as page:
+        index = ["layer", "head", *data["diagnostics"]["columns"]].index("window")
+        texts = page.locator("#diagnostics-table tbody tr").evaluate_all(
+            f"rows => rows.map(r => [r.dataset.layer, r.cells[{index}].textContent])"
+        )
+        assert texts == [
+            [str(row["layer"]), "64" if row["layer"] == 0 else "full"] for row in data["diagnostics"]["rows"]
+        ]
+        check_diagnostics_sort(page, data, "window")  # "full" (no number) sorts last
+        check_diagnostics_sort(page, data, "sink_mass")

@@ -23,8 +23,9 @@ import qkv_jax
 from configs import common
 from qkv_jax import lm
 from qkv_jax import nnx as qnnx
+from qkv_jax.diagnostics import head_diagnostics
 from qkv_jax.positions import apply_rope, rotary_dims, segment_positions
-from qkv_jax.tasks.transformer import transformer_config
+from qkv_jax.tasks.transformer import layer_attention, transformer_config
 from qkv_jax.training.validate import ConfigError
 
 VOCAB, LAYERS, D, N, MAX_LEN, B = 11, 2, 16, 4, 12, 2
@@ -512,3 +513,19 @@ def test_the_model_section_refuses_in_one_line_naming_the_field(field, value, me
     with pytest.raises(ConfigError, match=message) as caught:
         transformer_config(section, VOCAB)
     assert "\n" not in str(caught.value)
+
+
+def test_diagnostics_show_a_windows_reach_and_the_sinks_share():
+    windowed = model(window=(3, None), sinks=True)
+    local, full = (
+        head_diagnostics(w, sinks=True) for w in layer_attention(windowed, random_params(windowed), TOKENS)
+    )
+    assert np.all(np.asarray(local["distance"]) <= 2)  # a window of 3 keys: 2 positions back at most
+    assert np.all(np.asarray(full["distance"]) > np.asarray(local["distance"]) + 0.5)
+    logits = np.random.default_rng(11).normal(size=(2, N, 5, 5))  # (B, N, T, S)
+    sinks = np.array([-1.0, 0.0, 0.5, 2.0])
+    denominators = np.exp(logits).sum(axis=-1) + np.exp(sinks)[None, :, None]  # (B, N, T)
+    weights = np.exp(logits) / denominators[..., None]
+    expected = (np.exp(sinks)[None, :, None] / denominators).mean(axis=(0, 2))  # (N,)
+    np.testing.assert_allclose(head_diagnostics(weights, sinks=True)["sink_mass"], expected, rtol=1e-5)
+    assert "sink_mass" not in head_diagnostics(weights)

@@ -140,6 +140,34 @@ def test_default_char_lm_page_stays_under_five_megabytes(tmp_path):
     assert len(data["examples"]) == 4 and all(len(e["key_tokens"]) <= 64 for e in data["examples"])
 
 
+def test_lm_page_shows_each_layers_window_and_each_heads_sink_mass(tmp_path, browser):
+    """A model with a local layer of 8 keys, a global one and sinks: the diagnostics table gets
+    `window` (8, then "full") and `sink_mass`, each head's share of weight its sink takes on the
+    page's inputs: 1 minus the row sums of the weights the page shows, averaged."""
+    from qkv_jax.report.explorer import write_run_page
+    from qkv_jax.report.run import run_page_data
+
+    corpus = tmp_path / "code.txt"
+    corpus.write_text(TEXT)
+    config = char_lm_config.get_config()
+    config.data.path = str(corpus)
+    config.model.update(num_layers=2, d_model=16, num_heads=2, max_len=24, window="8,full", sinks=True)
+    config.task.seq_len = 16
+    config.eval.sample_length = 8
+    setup = build_setup(config.to_dict())
+    params = jax.jit(setup.init)(jax.random.PRNGKey(0))
+    data = run_page_data(config.to_dict(), setup, [(0, params)], {}, tmp_path, prompt="def add_7(x):")
+    diagnostics = data["diagnostics"]
+    assert diagnostics["columns"] == ["sink_mass", "window"] and diagnostics["labels"] == {"window": "full"}
+    assert [row["window"] for row in diagnostics["rows"]] == [8, 8, None, None]
+    attention = [np.asarray(weights) for weights in data["checkpoints"][-1]["attention"]]  # [L, N, T, S] each
+    expected = np.mean([1 - weights.sum(axis=-1).mean(axis=-1) for weights in attention], axis=0)  # (L, N)
+    shown = np.array([row["sink_mass"] for row in diagnostics["rows"]]).reshape(2, 2)
+    np.testing.assert_allclose(shown, expected, rtol=1e-5)
+    assert np.all(shown > 0.01)  # zero sink logits still take a share
+    check_page(browser, write_run_page(tmp_path / "report.html", data), data)
+
+
 def test_sweep_results_page_links_each_cell_to_its_page(tmp_path, browser):
     config = flag_config(steps=20, checkpoint_every=10)
     run_sweep(config, tmp_path, {"model.d_k": [4, 8]}, [0, 1], metric="eval_accuracy", log=lambda *_: None)

@@ -26,7 +26,10 @@ ValueError naming the bad key):
                                         T and S are per example; a list of arrays, one per
                                         example, or one array when every example has the same
     diagnostics: {"columns": [str],
-                  "rows": [{"layer": int, "head": int, <column>: float | None, ...}]}
+                  "rows": [{"layer": int, "head": int, <column>: float | None, ...}],
+                  "labels": {<column>: str}}  optional: what a None shows as in that
+                                        column (e.g. "full" for a global layer's window);
+                                        elsewhere None shows empty. None sorts last.
     notes: [str]                        shown at the top, e.g. "6 of 11 checkpoints shown"
 
 Attention weights travel quantised to uint8 (`round(weight * 255)`), base64
@@ -189,6 +192,13 @@ def _check_diagnostics(data: dict) -> None:
                 raise ValueError(f"{where}: missing column {column!r}")
             if row[column] is not None and not _is_number(row[column]):
                 raise ValueError(f"{where}[{column!r}]: expected a number or None, got {row[column]!r}")
+    labels = diagnostics.get("labels", {})
+    if not isinstance(labels, dict) or not all(
+        column in columns and isinstance(label, str) for column, label in labels.items()
+    ):
+        raise ValueError(
+            f"data['diagnostics']['labels']: expected {{column: str}} over the columns, got {labels!r}"
+        )
 
 
 def validate_run_data(data: dict) -> None:

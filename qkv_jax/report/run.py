@@ -16,7 +16,9 @@ the untrained parameters and at each kept checkpoint (at most
 says so when it leaves any out), the head diagnostics of the newest, the loss
 curves and the config, in the schema `qkv_jax.report.explorer.write_run_page`
 renders. Checkpoints are read with `qkv_jax.training.read_params` (read-only,
-verified), so a run can be reported while it trains.
+verified), so a run can be reported while it trains. A language model with
+sliding windows or sinks adds columns to the diagnostics table: each layer's
+window ("full" for a global layer) and each head's sink mass.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from qkv_jax.diagnostics import sink_mass
+from qkv_jax.lm import TransformerConfig, layer_windows
 from qkv_jax.report.explorer import write_run_page
 from qkv_jax.training.checkpoints import Checkpoints, NoCheckpointError, read_params
 from qkv_jax.training.loop import seed_keys
@@ -164,17 +168,41 @@ def _curves(workdir: pathlib.Path) -> dict:
     return {f"training loss, seed #{i}": [[r["step"], r["loss"][i]] for r in records] for i in range(seeds)}
 
 
-def _diagnostics(metrics: dict) -> dict:
-    """The table of per-head statistics (`head_*` metrics: `[N]` or `[layers, N]`)."""
-    columns = sorted(name[len("head_") :] for name in metrics if name.startswith("head_"))
+def _diagnostics(metrics: dict, variants: dict[str, np.ndarray]) -> dict:
+    """The table of per-head statistics (`head_*` metrics: `[N]` or `[layers, N]`), with the
+    `variants` columns (`_variant_columns`: each `[layers, N]`, NaN shown as the label "full")."""
+    tables = {name[len("head_") :]: metrics[name] for name in metrics if name.startswith("head_")}
+    tables = {**tables, **{name: values for name, values in variants.items() if name not in tables}}
+    columns = sorted(tables)
     rows: list[dict] = []
     for name in columns:
-        values = np.atleast_2d(np.asarray(metrics[f"head_{name}"], dtype=float))  # (L, N)
+        values = np.atleast_2d(np.asarray(tables[name], dtype=float))  # (L, N)
         for layer, head in np.ndindex(values.shape):
             if len(rows) <= layer * values.shape[1] + head:
                 rows.append({"layer": layer, "head": head})
-            rows[layer * values.shape[1] + head][name] = float(values[layer, head])
-    return {"columns": columns, "rows": rows}
+            value = float(values[layer, head])
+            rows[layer * values.shape[1] + head][name] = value if np.isfinite(value) else None
+    labels = {"window": "full"} if "window" in variants else {}
+    return {"columns": columns, "rows": rows, "labels": labels}
+
+
+def _variant_columns(setup: Setup, views: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Columns `[layers, N]` a TransformerLM's attention variants add to the diagnostics: with a
+    sliding window, each layer's `window` (keys each query sees; NaN for a global layer), and
+    with sinks each head's `sink_mass` on the explorer's inputs at the newest checkpoint."""
+    config = getattr(setup.model, "config", None)
+    if not isinstance(config, TransformerConfig):
+        return {}
+    columns = {}
+    heads = (config.num_layers, config.num_heads)
+    windows = layer_windows(config)
+    if any(w is not None for w in windows):
+        per_layer = np.array([np.nan if w is None else w for w in windows], dtype=float)  # (L,)
+        columns["window"] = np.broadcast_to(per_layer[:, None], heads)
+    if config.sinks:
+        per_view = [[sink_mass(np.asarray(w)) for w in view.maps.values()] for view in views]  # [E][L][N]
+        columns["sink_mass"] = np.mean(np.asarray(per_view, dtype=float), axis=0)  # (L, N)
+    return columns
 
 
 def run_page_data(
@@ -215,7 +243,7 @@ def run_page_data(
             for (name, _), view in zip(inputs, views, strict=True)
         ],
         "checkpoints": checkpoints,
-        "diagnostics": _diagnostics(jax.device_get(metrics)),
+        "diagnostics": _diagnostics(jax.device_get(metrics), _variant_columns(setup, views)),
         "notes": list(notes),
     }
 

@@ -411,6 +411,7 @@ function initControls() {
 function renderDiagnostics() {
   const table = byId("diagnostics-table");
   const columns = DATA.diagnostics.columns;
+  const labels = DATA.diagnostics.labels || {};  // what a missing value shows as, by column
   const header = element("tr");
   for (const name of ["layer", "head", ...columns]) header.appendChild(element("th", name));
   table.tHead.replaceChildren(header);
@@ -422,7 +423,8 @@ function renderDiagnostics() {
     layer.dataset.value = row.layer;
     tr.append(layer, element("td", String(row.head)));
     for (const name of columns) {
-      const cell = element("td", formatNumber(row[name]));
+      const text = row[name] === null && name in labels ? labels[name] : formatNumber(row[name]);
+      const cell = element("td", text);
       cell.dataset.value = row[name] === null ? "" : String(row[name]);
       tr.appendChild(cell);
     }
