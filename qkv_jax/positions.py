@@ -67,20 +67,23 @@ def apply_rope(x: Array, positions: Any, *, base: float, fraction: float = 1.0) 
 
     `positions`: integers `[T]` (shared by the batch) or `[batch..., T]`.
     The leading r = `rotary_dims(H, fraction)` dims rotate (see the module
-    docstring), in float32; the result has `x`'s dtype and shape.
+    docstring), in float32; the result has `x`'s dtype and shape. Written as
+    x * cos + swap_halves(x) * (-sin, sin): one elementwise pass, no pair
+    gathering.
     """
     H = x.shape[-1]
     rotated = rotary_dims(H, fraction)
-    half = rotated // 2
     angles = rope_angles(positions, rotated, base)  # (..., T, r/2)
-    angles = angles.reshape((1,) * (x.ndim - 1 - angles.ndim) + angles.shape[:-1] + (1, half))
+    angles = angles.reshape((1,) * (x.ndim - 1 - angles.ndim) + angles.shape[:-1] + (1, rotated // 2))
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # (..., T, 1, r/2): one angle for every head
-    first = x[..., :half].astype(jnp.float32)  # (..., T, heads, r/2)
-    second = x[..., half:rotated].astype(jnp.float32)  # (..., T, heads, r/2)
-    turned = jnp.concatenate(
-        [first * cos - second * sin, second * cos + first * sin], axis=-1
-    )  # (..., T, heads, r)
-    return jnp.concatenate([turned.astype(x.dtype), x[..., rotated:]], axis=-1)  # (..., T, heads, H)
+    cos = jnp.concatenate([cos, cos], axis=-1)  # (..., T, 1, r): both dims of a pair
+    sin = jnp.concatenate([-sin, sin], axis=-1)  # (..., T, 1, r)
+    part = x[..., :rotated].astype(jnp.float32)  # (..., T, heads, r)
+    swapped = jnp.concatenate([part[..., rotated // 2 :], part[..., : rotated // 2]], axis=-1)
+    turned = (part * cos + swapped * sin).astype(x.dtype)  # (..., T, heads, r)
+    if rotated == H:
+        return turned
+    return jnp.concatenate([turned, x[..., rotated:]], axis=-1)  # (..., T, heads, H)
 
 
 def segment_positions(segment_ids: Any) -> Array:
