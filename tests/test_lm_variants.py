@@ -164,13 +164,6 @@ def case_outputs(case: tuple) -> dict:
     return jax.device_get(run(random_params(linen), TOKENS))
 
 
-@pytest.mark.reliability(
-    "Decoding",
-    "cached decoding of the LM over a pairwise covering design of positions (learned, RoPE, none) x "
-    "window (global, local/global, all local) x normalize_qk (off, LayerNorm, RMS) x soft cap x sinks x "
-    "MHA/GQA/MQA/MLA, 7 single tokens, then 5 at once",
-    "logits equal the full pass within 1e-5",
-)
 @pytest.mark.parametrize("case", covering_cases(), ids=case_id)
 def test_cached_decoding_equals_the_full_pass_for_every_pair_of_options(case):
     """Every pair of option values meets in at least one case (the covering design above); each
