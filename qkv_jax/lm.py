@@ -42,6 +42,7 @@ from qkv_jax.modules import (
     _check_lora,
     _check_positive,
     advance_cache_index,
+    check_jax_nn_path,
     check_segment_ids,
     check_soft_cap,
     qk_norm_kind,
@@ -221,6 +222,7 @@ def _check_attention_variants(owner: str, config: TransformerConfig) -> None:
             "absorb_latent=False (a norm of the keys does not fold into the query)"
         )
     check_soft_cap(owner, config.attn_logits_soft_cap)
+    check_jax_nn_path(owner, config.attention_implementation, config.attn_logits_soft_cap, config.sinks)
     if not isinstance(config.sinks, bool):
         raise ValueError(f"{owner}: sinks={config.sinks!r} must be True or False")
 

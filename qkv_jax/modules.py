@@ -692,6 +692,20 @@ def _check_positions(owner: str, settings: Any) -> None:
             "with MLA is not defined without DeepSeek-V2's decoupled rotary key, which qkv_jax does not have"
         )
     check_soft_cap(owner, settings.attn_logits_soft_cap)
+    check_jax_nn_path(
+        owner, settings.attention_implementation, settings.attn_logits_soft_cap, settings.use_sinks
+    )
+
+
+def check_jax_nn_path(owner: str, implementation: Any, soft_cap: Any, sinks: Any) -> None:
+    """ValueError when jax.nn's paths ("xla", "cudnn"), which have neither, are asked for with a
+    soft cap or sinks."""
+    if implementation in ("xla", "cudnn") and (soft_cap is not None or sinks):
+        raise ValueError(
+            f"{owner}: attention_implementation={implementation!r} (jax.nn's) has no logits soft cap and "
+            f"no sinks, and attn_logits_soft_cap={soft_cap!r}, sinks={bool(sinks)}; use 'reference' or "
+            "'chunked', or None (the dispatch rule)"
+        )
 
 
 def check_soft_cap(owner: str, cap: Any) -> None:

@@ -426,6 +426,10 @@ def test_a_packed_row_equals_its_documents_run_alone(positions):
         (dict(normalize_qk="rms", kv_latent_dim=8), "normalize_qk='rms' with kv_latent_dim=8 needs"),
         (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap=-1.0 must be a finite number > 0"),
         (dict(sinks=1), "sinks=1 must be True or False"),
+        (
+            dict(sinks=True, attention_implementation="xla"),
+            "attention_implementation='xla' .jax.nn's. has no",
+        ),
     ],
 )
 def test_config_refuses_undefined_variants_in_one_line(options, message):
