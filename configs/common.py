@@ -123,7 +123,7 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     section.num_kv_heads = config_dict.placeholder(int)
     # MLA: per-token latent width the cache stores, K and V rebuilt from it; unset = off.
     section.kv_latent_dim = config_dict.placeholder(int)
-    # dot_product_attention's path: reference, xla or chunked; unset = its dispatch rule.
+    # dot_product_attention's path: reference, xla, cudnn or chunked; unset = its dispatch rule.
     section.attention_implementation = config_dict.placeholder(str)
     # MLP hidden width; unset = 4 * d_model.
     section.mlp_dim = config_dict.placeholder(int)

@@ -215,7 +215,7 @@ def _check_attention_variants(owner: str, config: TransformerConfig) -> None:
                 f"{owner}: positions='rope' with kv_latent_dim={config.kv_latent_dim}: RoPE with MLA is not "
                 "defined without DeepSeek-V2's decoupled rotary key, which qkv_jax does not have"
             )
-    layer_windows(config)
+    _window_pattern(config)  # checked without expanding it over (possibly very many) layers
     if qk_norm_kind(owner, config.normalize_qk) and config.kv_latent_dim is not None and config.absorb_latent:
         raise ValueError(
             f"{owner}: normalize_qk={config.normalize_qk!r} with kv_latent_dim={config.kv_latent_dim} needs "
@@ -227,9 +227,9 @@ def _check_attention_variants(owner: str, config: TransformerConfig) -> None:
         raise ValueError(f"{owner}: sinks={config.sinks!r} must be True or False")
 
 
-def layer_windows(config: TransformerConfig) -> tuple[int | None, ...]:
-    """Each layer's window w (None: global), `config.window` cycled over the layers. ValueError
-    naming `window` unless it is None, an int >= 1 or a non-empty tuple of those and None."""
+def _window_pattern(config: TransformerConfig) -> tuple[int | None, ...]:
+    """`config.window` as the pattern cycled over the layers. ValueError naming `window` unless it
+    is None, an int >= 1 or a non-empty tuple of those and None."""
     window = config.window
     pattern = window if isinstance(window, tuple) else (window,)
     valid = all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in pattern)
@@ -238,6 +238,12 @@ def layer_windows(config: TransformerConfig) -> tuple[int | None, ...]:
             f"TransformerConfig: window={window!r} must be None, an int >= 1 (the keys each query sees, "
             "itself included) or a tuple of those and None (a global layer), cycled over the layers"
         )
+    return pattern
+
+
+def layer_windows(config: TransformerConfig) -> tuple[int | None, ...]:
+    """Each layer's window w (None: global), `config.window` cycled over the layers."""
+    pattern = _window_pattern(config)
     return tuple(pattern[layer % len(pattern)] for layer in range(config.num_layers))
 
 

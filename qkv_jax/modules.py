@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import checkify
 
-from qkv_jax.attention import PrecisionLike, dot_product_attention
+from qkv_jax.attention import IMPLEMENTATIONS, PrecisionLike, dot_product_attention
 from qkv_jax.chunked import window_pair
 from qkv_jax.lora import LoRADenseGeneral, effective_kernel
 from qkv_jax.positions import apply_rope, check_rope, rotary_dims, segment_positions
@@ -698,8 +698,14 @@ def _check_positions(owner: str, settings: Any) -> None:
 
 
 def check_jax_nn_path(owner: str, implementation: Any, soft_cap: Any, sinks: Any) -> None:
-    """ValueError when jax.nn's paths ("xla", "cudnn"), which have neither, are asked for with a
-    soft cap or sinks."""
+    """ValueError naming `attention_implementation` unless it is None or one of `IMPLEMENTATIONS`,
+    and when jax.nn's paths ("xla", "cudnn"), which have neither, are asked for with a soft cap or
+    sinks."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{owner}: attention_implementation={implementation!r}: unknown; choose one of "
+            f"{', '.join(IMPLEMENTATIONS)} (or None: the dispatch rule)"
+        )
     if implementation in ("xla", "cudnn") and (soft_cap is not None or sinks):
         raise ValueError(
             f"{owner}: attention_implementation={implementation!r} (jax.nn's) has no logits soft cap and "

@@ -73,7 +73,7 @@ def text_file(tmp_path_factory):
         (dict(data__validation_fraction=0.0), "data.validation_fraction=0: must be in (0, 1)"),
         (
             dict(model__attention_implementation="flash"),
-            "model.attention_implementation='flash': unknown; choose one of reference, xla, chunked",
+            "model.attention_implementation='flash': unknown; choose one of reference, xla, cudnn, chunked",
         ),
     ],
 )
