@@ -15,7 +15,8 @@ Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
 Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
                  weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.text
                  (character corpus), qkv_jax.lora (LoRA adapters, merge_lora),
-                 qkv_jax.finetune (K/V head conversion, head ablation masks)
+                 qkv_jax.finetune (K/V head conversion, head ablation masks),
+                 qkv_jax.positions (rotary position embeddings)
 Imported on use: qkv_jax.nnx (native flax.nnx MultiHeadAttention and
                  TransformerLM; flax.nnx imports optax), qkv_jax.interpretability
                  (activation caches, patching, attribution, circuits),
@@ -24,7 +25,7 @@ Imported on use: qkv_jax.nnx (native flax.nnx MultiHeadAttention and
                  (sweeps and studies), qkv_jax.report (report.json, report.html)
 """
 
-from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, text
+from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, positions, text
 from qkv_jax.attention import (
     causal_mask,
     combine_masks,
@@ -75,5 +76,6 @@ __all__ = [
     "interop",
     "lm",
     "lora",
+    "positions",
     "text",
 ]

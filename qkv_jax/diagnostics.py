@@ -10,7 +10,8 @@ number per head for each of:
   max_weight       mean of each row's largest weight;
   sink_mass        (with `sinks=True`) the mean weight the head's sink takes:
                    1 minus the row's weights on keys (`sink_mass`).
-Queries are taken as the last T of the S positions, as in `causal_mask`. A
+Queries are taken as the last T of the S positions, as in
+`causal_mask(T, S, query_offset=S - T)` (a decode cache's alignment). A
 sliding window of w keys bounds a head's `distance` by w - 1.
 
 `collect_attention_weights` gathers every sown `attention_weights` of a Flax

@@ -24,6 +24,7 @@ PUBLIC_MODULES = [
     "qkv_jax.checks",
     "qkv_jax.interop",
     "qkv_jax.text",
+    "qkv_jax.positions",
     "qkv_jax.tasks.flag_retrieval",
     "qkv_jax.tasks.sequences",
     "qkv_jax.tasks.char_lm",
