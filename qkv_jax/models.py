@@ -32,7 +32,9 @@ class FlagReader(nn.Module):
         `num_heads`: the heads split fixed total widths d_k and d_v.
 
     `precision` (None: JAX's default) goes to every projection and attention
-    dot of whichever kind is built.
+    dot of whichever kind is built. `normalize_qk` (False, True/"layernorm" or
+    "rms") and `attn_logits_soft_cap` (None or c > 0) are `MultiHeadAttention`'s,
+    multihead only.
     """
 
     kind: str
@@ -43,10 +45,17 @@ class FlagReader(nn.Module):
     num_flags: int = 1
     scaled: bool = True
     precision: PrecisionLike = None
+    normalize_qk: bool | str = False
+    attn_logits_soft_cap: float | None = None
 
     @nn.compact
     def __call__(self, inputs):
         scale = None if self.scaled else 1.0
+        if self.kind != "multihead" and (self.normalize_qk or self.attn_logits_soft_cap is not None):
+            raise ValueError(
+                f"FlagReader: normalize_qk={self.normalize_qk!r} and attn_logits_soft_cap="
+                f"{self.attn_logits_soft_cap!r} need kind='multihead', got kind={self.kind!r}"
+            )
         if self.kind == "learned_query":
             output, _ = LearnedQueryAttention(
                 d_k=self.d_k,
@@ -75,6 +84,8 @@ class FlagReader(nn.Module):
                 use_bias=False,  # bare W_Q, W_K, W_V, W_O (a key bias would get no gradient)
                 out_features=self.out_features,
                 scale=scale,
+                normalize_qk=self.normalize_qk,
+                attn_logits_soft_cap=self.attn_logits_soft_cap,
                 sow_weights=True,
                 precision=self.precision,
                 name="attention",
