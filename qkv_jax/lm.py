@@ -36,11 +36,13 @@ from qkv_jax.attention import PrecisionLike
 from qkv_jax.lora import LoRADenseGeneral
 from qkv_jax.modules import (
     ATTENTION_LORA_TARGETS,
+    LayerNorm,
     MultiHeadAttention,
     _check_dropout,
     _check_heads,
     _check_lora,
     _check_positive,
+    _hook,
     advance_cache_index,
     check_jax_nn_path,
     check_segment_ids,
@@ -61,7 +63,7 @@ __all__ = [
     "decode_capacity",
     "check_tokens",
     "token_positions",
-    "add_positions",
+    "position_embeddings",
     "TransformerBlock",
     "TransformerLM",
     "init_cache",
@@ -318,17 +320,18 @@ def token_positions(length: int, decode_index: Any, segment_ids: Any, capacity: 
     return None, None
 
 
-def add_positions(embedded: Array, position_table: Array, positions: Array | None) -> Array:
-    """Token embeddings `[batch..., T, D]` plus the learned embeddings of `positions` (`[T]` or
-    `[batch..., T]`; None: 0..T-1 as a static slice, whose gradient is a pad where a gather's is
-    a scatter-add), broadcast explicitly."""
+def position_embeddings(position_table: Array, positions: Array | None, embedded: Array) -> Array:
+    """The learned embeddings of `positions` (`[T]` or `[batch..., T]`; None: 0..T-1 as a static
+    slice, whose gradient is a pad where a gather's is a scatter-add), broadcast explicitly to the
+    token embeddings' shape `[batch..., T, D]` (TransformerLens's hook_pos_embed)."""
     if positions is None:
         position_embedding = position_table[: embedded.shape[-2]]  # (T, D)
     else:
         position_embedding = jnp.take(position_table, positions, axis=0)  # (T, D) or (batch..., T, D)
-    return embedded + position_embedding.reshape(
+    position_embedding = position_embedding.reshape(
         (1,) * (embedded.ndim - position_embedding.ndim) + position_embedding.shape
     )
+    return jnp.broadcast_to(position_embedding, embedded.shape)  # (batch..., T, D)
 
 
 class TransformerBlock(nn.Module):
@@ -338,6 +341,11 @@ class TransformerBlock(nn.Module):
     width `config.mlp_dim` (default 4 d_model); every option comes from
     `config` (`TransformerConfig`); `layer` picks its window. `head_mask` `[N]` and
     `segment_ids` `[batch..., T]`: the attention's (see `MultiHeadAttention`).
+    Hook points (TransformerLens's names, `qkv_jax.interpretability`):
+    hook_resid_pre, hook_attn_out, hook_resid_mid, mlp_hook_pre (before the
+    GELU; `mlp.hook_pre` by name), mlp_hook_post, hook_mlp_out,
+    hook_resid_post, and those of its LayerNorms (`modules.LayerNorm`) and
+    attention.
     """
 
     config: TransformerConfig
@@ -358,16 +366,24 @@ class TransformerBlock(nn.Module):
     def __call__(self, x, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None):
         config = self.config
         width = x.shape[-1]
-        norm = functools.partial(nn.LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
+        hook = functools.partial(_hook, self)
+        norm = functools.partial(LayerNorm, dtype=config.dtype, param_dtype=config.param_dtype)
+        x = hook("hook_resid_pre", x)
         h = norm(name="attention_norm")(x)
         h = MultiHeadAttention(**attention_options(config, self.layer), name="attention")(
             h, deterministic=deterministic, decode=decode, head_mask=head_mask, segment_ids=segment_ids
         )  # (..., T, D)
-        x = x + nn.Dropout(config.dropout_rate)(h, deterministic)
+        x = hook(
+            "hook_resid_mid", x + nn.Dropout(config.dropout_rate)(hook("hook_attn_out", h), deterministic)
+        )
         h = norm(name="mlp_norm")(x)
-        h = nn.gelu(self._mlp_dense(config.mlp_dim or 4 * width, "mlp_in")(h))  # (..., T, mlp_dim)
-        h = self._mlp_dense(width, "mlp_out")(h)  # (..., T, D)
-        return x + nn.Dropout(config.dropout_rate)(h, deterministic)
+        h = hook(
+            "mlp_hook_pre", self._mlp_dense(config.mlp_dim or 4 * width, "mlp_in")(h)
+        )  # (..., T, mlp_dim)
+        h = self._mlp_dense(width, "mlp_out")(hook("mlp_hook_post", nn.gelu(h)))  # (..., T, D)
+        return hook(
+            "hook_resid_post", x + nn.Dropout(config.dropout_rate)(hook("hook_mlp_out", h), deterministic)
+        )
 
 
 class TransformerLM(nn.Module):
@@ -385,7 +401,9 @@ class TransformerLM(nn.Module):
     multiplies each head's attention output before W_O (0 ablates it;
     `qkv_jax.finetune.head_ablation_masks`); `segment_ids` `[batch..., T]`
     (int, not when decoding): packed sequences, attention within a segment
-    only and positions restarting at 0 where the id changes.
+    only and positions restarting at 0 where the id changes. Hook points:
+    hook_embed, hook_pos_embed (learned positions; broadcast to `[..., T,
+    D]`), then the blocks' and the final LayerNorm's (`qkv_jax.interpretability`).
     """
 
     config: TransformerConfig
@@ -419,12 +437,12 @@ class TransformerLM(nn.Module):
             param_dtype=config.param_dtype,
             name="token_embedding",
         )
-        x = token_embedding(tokens)  # (..., T, D)
+        x = _hook(self, "hook_embed", token_embedding(tokens))  # (..., T, D)
         if config.positions == "learned":
             table = self.param(
                 "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
             )
-            x = add_positions(x, table, positions)  # (..., T, D)
+            x = x + _hook(self, "hook_pos_embed", position_embeddings(table, positions, x))  # (..., T, D)
         x = nn.Dropout(config.dropout_rate)(x, deterministic)
         if head_mask is not None:
             chex.assert_shape(head_mask, (config.num_layers, config.num_heads))
@@ -433,7 +451,7 @@ class TransformerLM(nn.Module):
             x = TransformerBlock(config, layer, name=f"block_{layer}")(
                 x, deterministic, decode, layer_mask, segment_ids
             )  # (..., T, D)
-        x = nn.LayerNorm(dtype=config.dtype, param_dtype=config.param_dtype, name="final_norm")(x)
+        x = LayerNorm(dtype=config.dtype, param_dtype=config.param_dtype, name="final_norm")(x)
         logits = nn.Dense(
             config.vocab_size,
             use_bias=False,
@@ -513,27 +531,35 @@ def sample_with_cache(
     temperature: Array,
     max_new_tokens: int,
     top_k: int | None,
-) -> Array:
+    has_aux: bool = False,
+) -> Any:
     """Prefill `prompt` `[B, P]` through `step`, then sample one token per step inside `lax.scan`.
 
     `step(cache, tokens [B, T]) -> (logits [B, T, V], cache)` is one cached
     decode call (of a linen or an nnx model). Returns `[B, max_new_tokens]`
     int32; the P prompt positions and all but the last sampled token go
-    through the cache (P + max_new_tokens - 1 positions).
+    through the cache (P + max_new_tokens - 1 positions). With `has_aux`,
+    `step` returns `(logits, cache, aux)` and this returns (tokens, the
+    prefill's aux, the decode steps' aux stacked `[max_new_tokens - 1, ...]`).
     """
     chex.assert_rank(prompt, 2)
-    logits, cache = step(cache, prompt)  # (B, P, V)
+
+    def call(cache: Any, tokens: Array) -> tuple[Array, Any, Any]:
+        return step(cache, tokens) if has_aux else (*step(cache, tokens), None)
+
+    logits, cache, prefill_aux = call(cache, prompt)  # (B, P, V)
     keys = jax.random.split(rng, max_new_tokens)
     first = sample_logits(logits[:, -1], keys[0], temperature, top_k)  # (B,)
 
     def body(carry, key):
         token, cache = carry
-        logits, cache = step(cache, token[:, None])  # (B, 1, V)
+        logits, cache, aux = call(cache, token[:, None])  # (B, 1, V)
         token = sample_logits(logits[:, -1], key, temperature, top_k)  # (B,)
-        return (token, cache), token
+        return (token, cache), (token, aux)
 
-    _, rest = lax.scan(body, (first, cache), keys[1:])  # rest: (max_new_tokens - 1, B)
-    return jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
+    _, (rest, steps_aux) = lax.scan(body, (first, cache), keys[1:])  # rest: (max_new_tokens - 1, B)
+    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
+    return (tokens, prefill_aux, steps_aux) if has_aux else tokens
 
 
 def sample_tokens(

@@ -73,6 +73,11 @@ __all__ = [
     "resolve_inputs",
     "resolve_head_dim",
     "torch_linear_init",
+    "HookPoint",
+    "LayerNorm",
+    "layer_norm",
+    "AttentionRequest",
+    "hook_projections",
 ]
 
 # MultiHeadAttention's projections a LoRA adapter can sit beside (kv_latent: MLA's down-projection).
@@ -131,8 +136,107 @@ def _dropout(module: nn.Module, rate: float, deterministic: bool) -> dict:
     return {"dropout_rate": rate, "dropout_rng": module.make_rng("dropout")}
 
 
+# ------------------------------------------------------------------------------ hook points
+
+
+class HookPoint(nn.Module):
+    """A named activation, `__call__(x) -> x`: no parameters, no computation.
+
+    A model passes what is worth reading or changing (queries, attention
+    patterns, the residual stream, ...) through a HookPoint named `hook_...`;
+    left alone it is the identity, which XLA removes. `qkv_jax.interpretability`
+    reads hook points with flax's `capture_intermediates` and changes their
+    values with `nn.intercept_methods` (`run_with_cache`, `run_with_hooks`).
+    """
+
+    def __call__(self, x: Array) -> Array:
+        return x
+
+
+def _hook(module: nn.Module, name: str, x: Array) -> Array:
+    """`x` through the HookPoint `name` of `module` (called inside its compact method)."""
+    return HookPoint(name=name, parent=module)(x)
+
+
+def layer_norm(
+    x: Array,
+    scale: Array,
+    bias: Array,
+    epsilon: float,
+    dtype: Dtype | None,
+    hook: Callable[[str, Array], Array],
+) -> Array:
+    """flax's LayerNorm over the last axis of `x` `[..., D]`, with `scale`, `bias` `[D]`.
+
+    The statistics as flax computes them (in at least float32, the variance as
+    E[x^2] - E[x]^2 clipped at 0); then, as TransformerLens names them, the
+    standard deviation sqrt(var + epsilon) `[..., 1]` passes through
+    `hook("hook_scale", .)` and the normalised input `[..., D]` through
+    `hook("hook_normalized", .)` before the affine map, so a patched scale
+    freezes the norm. Returns `[..., D]` in `dtype` (None: promoted from the
+    input and the parameters).
+    """
+    stats = x.astype(jnp.promote_types(dtype or x.dtype, jnp.float32))
+    mean = jnp.mean(stats, axis=-1, keepdims=True)  # (..., 1)
+    variance = jnp.maximum(0.0, jnp.mean(jnp.square(stats), axis=-1, keepdims=True) - jnp.square(mean))
+    std = hook("hook_scale", jnp.sqrt(variance + epsilon))  # (..., 1)
+    normalized = hook("hook_normalized", (x - mean) / std)  # (..., D)
+    lead = (1,) * (x.ndim - 1)
+    y = normalized * scale.reshape(*lead, -1) + bias.reshape(*lead, -1)  # (..., D)
+    return jnp.asarray(y, nn.dtypes.canonicalize_dtype(x, scale, bias, dtype=dtype))
+
+
+class LayerNorm(nn.Module):
+    """`flax.linen.LayerNorm` (last axis, with scale and bias) with TransformerLens's two hook points.
+
+    The same parameters, `scale` (ones) and `bias` (zeros) `[D]`, so
+    checkpoints of `nn.LayerNorm` load unchanged, and the same statistics;
+    `hook_scale` `[..., 1]` and `hook_normalized` `[..., D]` in between
+    (`layer_norm`).
+    """
+
+    epsilon: float = 1e-6
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        features = (x.shape[-1],)
+        scale = self.param("scale", nn.initializers.ones, features, self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, features, self.param_dtype)
+        return layer_norm(x, scale, bias, self.epsilon, self.dtype, functools.partial(_hook, self))
+
+
+class AttentionRequest(NamedTuple):
+    """What an interpretability run asks of one attention layer; the default asks nothing.
+
+    pattern_heads: query heads whose scores and pattern are computed, beside
+      the attention's own path (chunked, cuDNN, XLA or MLA's absorbed one):
+      hook_attn_scores and hook_pattern `[..., len(pattern_heads), T, S]`;
+      those heads' outputs are then pattern @ V, so a changed pattern acts.
+    head_results: W_O applied per head, each head's write `[..., T, N, D]`
+      through hook_result, the output their sum plus b_O.
+    """
+
+    pattern_heads: tuple[int, ...] = ()
+    head_results: bool = False
+
+
+class Inspectable(nn.Module):
+    """A linen attention module that `qkv_jax.interpretability` can ask for patterns.
+
+    `interpretability_request()` returns the default `AttentionRequest()`;
+    an interpretability run intercepts this method (`nn.intercept_methods`)
+    to ask a layer for its pattern or its per-head results.
+    """
+
+    def interpretability_request(self) -> AttentionRequest:
+        """This layer's `AttentionRequest`: nothing, unless a run intercepts the call."""
+        return AttentionRequest()
+
+
 def _single_head(
-    module: nn.Module,
+    module: Inspectable,
     query: Array,
     key: Array,
     value: Array,
@@ -144,29 +248,35 @@ def _single_head(
     `mask` broadcasts to `[..., T, S]`. Returns `[..., T, Hv]` and the attention
     weights `[..., T, S]`. Reads `is_causal`, `scale`, `dropout_rate`,
     `precision` and `sow_weights` from `module`; sown weights keep a head axis,
-    `[..., 1, T, S]`.
+    `[..., 1, T, S]`. Hook points with a head axis of 1: hook_q, hook_k, hook_v
+    `[..., T|S, 1, H]`, hook_z `[..., T, 1, Hv]` and, on request,
+    hook_attn_scores and hook_pattern `[..., 1, T, S]` (`attend_heads`).
     """
+    hook = functools.partial(_hook, module)
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.ndim >= 2:
             mask = jnp.expand_dims(mask, -3)  # (..., 1, T, S): one head
+    query = hook("hook_q", query[..., None, :])  # (..., T, 1, H)
+    key = hook("hook_k", key[..., None, :])  # (..., S, 1, H)
+    value = hook("hook_v", value[..., None, :])  # (..., S, 1, Hv)
+    options = dict(scale=module.scale, precision=module.precision)
+    dropout = _dropout(module, module.dropout_rate, deterministic)
     output, weights = dot_product_attention(
-        query[..., None, :],  # (..., T, 1, H)
-        key[..., None, :],  # (..., S, 1, H)
-        value[..., None, :],  # (..., S, 1, Hv)
-        mask=mask,
-        is_causal=module.is_causal,
-        scale=module.scale,
-        **_dropout(module, module.dropout_rate, deterministic),
-        return_weights=True,
-        precision=module.precision,
+        query, key, value, mask=mask, is_causal=module.is_causal, **options, **dropout, return_weights=True
     )
     if module.sow_weights:  # with the head axis, as MultiHeadAttention sows them
         module.sow("intermediates", "attention_weights", weights)  # (..., 1, T, S)
+    heads = module.interpretability_request().pattern_heads
+    if heads:
+        _check_pattern_request(type(module).__name__, heads, 1, dropout["dropout_rate"] > 0.0)
+        allowed = visible_keys(KeyVisibility(module.is_causal, mask=mask), query.shape[-3], key.shape[-3])
+        output, weights = attend_heads(hook, heads, output, query, key, value, allowed=allowed, **options)
+    output = hook("hook_z", output)  # (..., T, 1, Hv)
     return output[..., 0, :], weights[..., 0, :, :]  # (..., T, Hv), (..., T, S)
 
 
-class StaticAttention(nn.Module):
+class StaticAttention(Inspectable):
     """Parameter-free attention: Q = K = V = X, i.e. every W is the identity.
 
     `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True,
@@ -196,7 +306,7 @@ class StaticAttention(nn.Module):
         return (output, weights) if return_weights else output
 
 
-class SelfAttentionV1(nn.Module):
+class SelfAttentionV1(Inspectable):
     """Self-attention with raw learned matrices, the first form of learned attention.
 
     Parameters `W_query`, `W_key`, `W_value` of shape `[d_in, d_out]`, drawn
@@ -238,7 +348,7 @@ class SelfAttentionV1(nn.Module):
         return (output, weights) if return_weights else output
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(Inspectable):
     """Self-attention through `nn.Dense` projections.
 
     Sub-modules `W_query`, `W_key`, `W_value` are `nn.Dense(d_out)` (kernel
@@ -284,7 +394,7 @@ class SelfAttention(nn.Module):
         return (output, weights) if return_weights else output
 
 
-class LearnedQueryAttention(nn.Module):
+class LearnedQueryAttention(Inspectable):
     """One learned query vector attends over a sequence.
 
     Parameters: `query` `[D]` (standard normal) and bias-free `nn.Dense`
@@ -396,6 +506,90 @@ def visible_keys(keys: KeyVisibility, T: int, S: int) -> Array | None:
         query_ids, key_ids = keys.segment_ids
         masks.append(query_ids[..., None, :, None] == key_ids[..., None, None, :])  # (batch..., 1, T, S)
     return _and_masks(*masks)
+
+
+def _check_pattern_request(owner: str, heads: tuple[int, ...], num_heads: int, dropping: bool) -> None:
+    """ValueError unless every requested pattern head is in [0, num_heads) and no dropout is on."""
+    if any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_heads for h in heads):
+        raise ValueError(f"{owner}: pattern_heads={heads!r} must be query heads in [0, {num_heads})")
+    if dropping:
+        raise ValueError(
+            f"{owner}: attention patterns requested with attention dropout on; run deterministic=True"
+        )
+
+
+def _softmax_with_sinks(logits: Array, sinks: Array | None) -> Array:
+    """softmax over the last axis of `logits` `[..., N, T, S]` with an extra logit per head `sinks`
+    `[N]` in each denominator (None: none); rows without a finite logit (and no sink) are zero."""
+    sink = None if sinks is None else sinks.astype(logits.dtype)[:, None, None]  # (N, 1, 1)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # (..., N, T, 1)
+    if sink is not None:
+        sink = sink.reshape((1,) * (logits.ndim - 3) + sink.shape)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    unnormalized = jnp.exp(logits - row_max)  # (..., N, T, S)
+    denominator = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    if sink is not None:
+        denominator = denominator + jnp.exp(sink - row_max)
+    return unnormalized / jnp.where(denominator > 0, denominator, 1.0)
+
+
+def attend_heads(
+    hook: Callable[[str, Array], Array],
+    heads: tuple[int, ...],
+    output: Array,
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    allowed: Array | None,
+    scale: Any,
+    precision: PrecisionLike,
+    bias: Array | None = None,
+    soft_cap: float | None = None,
+    sinks: Array | None = None,
+) -> tuple[Array, Array]:
+    """The attention of `heads` (query heads) again, explicitly, with their scores and pattern hooked.
+
+    `output` `[..., T, N, Hv]` is the attention's result on its own path;
+    `query` `[..., T, N, H]`, `key` `[..., S, K, H]`, `value` `[..., S, K, Hv]`
+    (query head n reads kv head n // (N / K)); `allowed` boolean,
+    broadcastable to `[..., N|1, T, S]`; `bias` `[..., N|1, T|1, S|1]`,
+    `scale` (None: 1/sqrt(H)), `soft_cap` and `sinks` `[N]` as the attention
+    takes them. For the n = len(heads) heads only (O(n T S) memory): scores
+    `[..., n, T, S]` (scaled, biased, capped, -inf where not allowed) through
+    `hook("hook_attn_scores", .)`, their softmax through `hook("hook_pattern", .)`,
+    and pattern @ V in place of those heads' outputs. Returns (output, pattern).
+    """
+    N, K = query.shape[-2], key.shape[-2]
+    picked = jnp.array(heads)  # (n,)
+    kv = picked // (N // K)  # (n,): each head's kv head
+    compute_dtype = jnp.promote_types(jnp.result_type(query, key), jnp.float32)
+    scores = jnp.einsum(
+        "...tnh,...snh->...nts",
+        query[..., picked, :],
+        key[..., kv, :],
+        preferred_element_type=compute_dtype,
+        precision=precision,
+    )  # (..., n, T, S)
+    scores = scores * jnp.asarray(query.shape[-1] ** -0.5 if scale is None else scale, compute_dtype)
+
+    def per_head(x: Array) -> Array:  # (..., N|1, T|1, S|1) -> (..., n|1, T|1, S|1), rank of the scores
+        x = x.reshape((1,) * (scores.ndim - x.ndim) + x.shape)
+        return x[..., picked, :, :] if x.shape[-3] == N else x
+
+    if bias is not None:
+        scores = scores + per_head(bias).astype(compute_dtype)
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    if allowed is not None:
+        scores = jnp.where(per_head(allowed), scores, -jnp.inf)
+    scores = hook("hook_attn_scores", scores)  # (..., n, T, S)
+    pattern = hook("hook_pattern", _softmax_with_sinks(scores, None if sinks is None else sinks[picked]))
+    blended = jnp.einsum(
+        "...nts,...snv->...tnv", pattern, value[..., kv, :].astype(pattern.dtype), precision=precision
+    )  # (..., T, n, Hv)
+    return output.at[..., picked, :].set(blended.astype(output.dtype)), pattern
 
 
 # ----------------------------------------------------------------- the default attention_fn
@@ -599,7 +793,10 @@ class AttentionLayers(NamedTuple):
     S, D_kv] -> [..., S, C]`; query_ln and key_ln (normalize_qk) over H;
     sinks (use_sinks) the learned sink logits `[N]`, one per query head.
     `params(name)` is the parameter mapping of projection `name` (`kernel`,
-    `bias`, `lora_a`, `lora_b`), read by MLA's weight absorption.
+    `bias`, `lora_a`, `lora_b`), read by MLA's weight absorption and by
+    per-head results. `hook(name, x) -> x` passes `x` through the layer's
+    hook point `name` (`HookPoint`); `request` is what an interpretability
+    run asks of the layer (`AttentionRequest`).
     """
 
     query: Callable[[Array], Array]
@@ -611,6 +808,8 @@ class AttentionLayers(NamedTuple):
     key_ln: Callable[[Array], Array] | None
     sinks: Array | None
     params: Callable[[str], Mapping[str, Array]]
+    hook: Callable[[str, Array], Array]
+    request: AttentionRequest
 
 
 def check_attention_settings(owner: str, settings: Any) -> None:
@@ -854,6 +1053,14 @@ def rotate_inputs(
     return rope(query, query_positions), {**entries, "key": rope(entries["key"], key_positions)}
 
 
+def hook_projections(layers: AttentionLayers, query: Array, entries: Mapping[str, Array]):
+    """The query and the entries of the new positions through the layer's hook points, after RoPE and
+    before the decode cache: hook_q `[..., T, N, H]`, and hook_k `[..., S, K, H]` and hook_v `[..., S,
+    K, Hv]`, or MLA's hook_kv_latent `[..., S, C]`. Returns (query, entries)."""
+    names = {"key": "hook_k", "value": "hook_v", "latent": "hook_kv_latent"}
+    return layers.hook("hook_q", query), {name: layers.hook(names[name], x) for name, x in entries.items()}
+
+
 def check_segment_ids(owner: str, segment_ids: Any, decode: Any) -> None:
     """Packed sequences are a full pass's: ValueError for `segment_ids` with decoding (a decode
     cache holds one sequence per row)."""
@@ -1056,13 +1263,17 @@ def _call_attention_fn(
     return settings.attention_fn(query, key, value, **arguments)
 
 
-def _absorbed_key_bias(settings: AttentionSettings, grouped: Array, key_params: Mapping[str, Array], scale):
+def _absorbed_key_bias(
+    settings: AttentionSettings, grouped: Array, key_params: Mapping[str, Array], scale, scored: bool
+):
     """`[..., N, T, 1]`: scale * q_n b_K[k], the part of each logit the latents leave out, or None.
 
     It is the same for every key of a row, so the softmax cancels it; a sink (a
-    fixed logit beside the keys) and a soft cap (tanh of the logits) do not.
+    fixed logit beside the keys) and a soft cap (tanh of the logits) do not,
+    and `scored` (requested scores, hook_attn_scores) wants the logits themselves.
     """
-    if "bias" not in key_params or (settings.attn_logits_soft_cap is None and not settings.use_sinks):
+    cancels = settings.attn_logits_soft_cap is None and not settings.use_sinks and not scored
+    if "bias" not in key_params or cancels:
         return None
     (key_bias,) = nn.dtypes.promote_dtype(key_params["bias"], dtype=settings.dtype)  # (K, H)
     shift = jnp.einsum(
@@ -1141,7 +1352,7 @@ def _absorbed(
     summed = "bias" in value_params and settings.use_sinks
     if summed:  # a channel of ones: its blend is each row's total weight on keys
         values = jnp.concatenate([latents, jnp.ones(latents.shape[:-1] + (1,), latents.dtype)], axis=-1)
-    bias = _absorbed_key_bias(settings, grouped, key_params, scale)
+    bias = _absorbed_key_bias(settings, grouped, key_params, scale, bool(layers.request.pattern_heads))
     blended = attend(query_latent, latents, values, scale=scale, bias=bias)  # (..., T, N, C [+ 1])
     weight_sums = blended[..., C:] if summed else None  # (..., T, N, 1)
     blended = blended[..., :C].reshape(*batch, T, num_kv_heads, group, C)  # (..., T, K, G, C)
@@ -1153,6 +1364,55 @@ def _absorbed(
         return output
     value_bias = jnp.repeat(value_params["bias"], group, axis=0)  # (N, Hv)
     return _absorbed_value_bias(value_bias, output, weight_sums, mask, keys, latent.shape[-2])
+
+
+def _attend_requested(
+    settings: AttentionSettings,
+    layers: AttentionLayers,
+    attend: Callable[..., Array],
+    mask: Array | None,
+    keys: KeyVisibility,
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: Any,
+    bias: Array | None = None,
+) -> Array:
+    """`attend` (the attention on its own path), then the requested heads' patterns (`attend_heads`)."""
+    output = attend(query, key, value, scale=scale, bias=bias)  # (..., T, N, Hv)
+    allowed = _and_masks(mask, visible_keys(keys, query.shape[-3], key.shape[-3]))
+    output, _ = attend_heads(
+        layers.hook,
+        layers.request.pattern_heads,
+        output,
+        query,
+        key,
+        value,
+        allowed=allowed,
+        scale=scale,
+        precision=settings.precision,
+        bias=bias,
+        soft_cap=settings.attn_logits_soft_cap,
+        sinks=layers.sinks,
+    )
+    return output
+
+
+def _project_out(settings: AttentionSettings, layers: AttentionLayers, z: Array) -> Array:
+    """W_O on the heads' outputs `[..., T, N, Hv]` -> `[..., T, D_out]`. With `request.head_results`
+    per head first: hook_result `[..., T, N, D_out]` (the effective kernel, LoRA included, through a
+    plain einsum), then their sum plus b_O."""
+    if not layers.request.head_results:
+        return layers.out(z)
+    params = layers.params("out")
+    kernel = effective_kernel(params, settings.lora_alpha)  # (N, Hv, D_out)
+    z, kernel = nn.dtypes.promote_dtype(z, kernel, dtype=settings.dtype)
+    results = jnp.einsum("...tnv,nvd->...tnd", z, kernel, precision=settings.precision)  # (..., T, N, D_out)
+    output = jnp.sum(layers.hook("hook_result", results), axis=-2)  # (..., T, D_out)
+    if "bias" not in params:
+        return output
+    return output + params["bias"].astype(output.dtype).reshape((1,) * (output.ndim - 1) + (-1,))
 
 
 def attend_entries(
@@ -1175,11 +1435,13 @@ def attend_entries(
 
     `keys` (`KeyVisibility`): which keys each query may see besides `mask`;
     `cache_step` gives a decode cache's. MLA entries hold the latent: K and V
-    are rebuilt from it, or when `decoding` with `settings.absorb_latent` the
-    attention runs over the latents themselves (`_absorbed`). `layers.sinks`
-    `[N]`: one sink logit per head. `head_mask` `[batch..., N]` multiplies each
-    head's output before W_O. `fits` False (a cache overflow under jit) gives
-    NaN. Returns `[..., T, D_out]`.
+    are rebuilt from it (hook_k, hook_v), or when `decoding` with
+    `settings.absorb_latent` the attention runs over the latents themselves
+    (`_absorbed`). `layers.sinks` `[N]`: one sink logit per head. `head_mask`
+    `[batch..., N]` multiplies each head's output before W_O; the result is
+    hook_z. `layers.request` adds the requested heads' patterns
+    (`attend_heads`) and per-head results (hook_result). `fits` False (a
+    cache overflow under jit) gives NaN. Returns `[..., T, D_out]`.
     """
     mask = _as_bool_mask(mask)
     attend = functools.partial(
@@ -1192,6 +1454,11 @@ def attend_entries(
         dropout_rng=dropout_rng,
         sow_module=sow_module,
     )
+    if layers.request.pattern_heads:
+        dropping = not deterministic and settings.dropout_rate > 0.0
+        heads = layers.request.pattern_heads
+        _check_pattern_request(type(settings).__name__, heads, settings.num_heads, dropping)
+        attend = functools.partial(_attend_requested, settings, layers, attend, mask, keys)
     if "latent" not in entries:
         output = attend(query, entries["key"], entries["value"], scale=settings.scale)  # (..., T, N, Hv)
     elif decoding and settings.absorb_latent:
@@ -1200,19 +1467,19 @@ def attend_entries(
         key = layers.key(entries["latent"])  # (..., S, K, H)
         if layers.key_ln is not None:
             key = layers.key_ln(key)
-        value = layers.value(entries["latent"])  # (..., S, K, Hv)
+        key, value = layers.hook("hook_k", key), layers.hook("hook_v", layers.value(entries["latent"]))
         output = attend(query, key, value, scale=settings.scale)  # (..., T, N, Hv)
     if head_mask is not None:  # (batch..., N): one factor per head
         factors = jnp.asarray(head_mask, output.dtype)[..., None, :, None]  # (batch..., 1, N, 1)
         output = output * factors.reshape((1,) * (output.ndim - factors.ndim) + factors.shape)
-    output = layers.out(output)  # (..., T, D_out)
+    output = _project_out(settings, layers, layers.hook("hook_z", output))  # (..., T, D_out)
     return output if fits is None else jnp.where(fits, output, jnp.nan)
 
 
 # ------------------------------------------------------------------------- the linen module
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(Inspectable):
     """Multi-head attention; a drop-in for `flax.linen.MultiHeadDotProductAttention`.
 
     flax's fields, call and layouts, with the same meaning and defaults:
@@ -1286,6 +1553,16 @@ class MultiHeadAttention(nn.Module):
     ablates a head), `segment_ids` `[batch..., T]` (integers, self-attention,
     not when decoding): packed sequences, each query sees only the keys of its
     own segment, and RoPE positions restart at 0 where the id changes.
+
+    Hook points (`HookPoint` sub-modules, no parameters; `qkv_jax.interpretability`
+    reads and changes them): hook_q `[..., T, N, H]` (after query_ln and RoPE),
+    hook_k `[..., S, K, H]`, hook_v `[..., S, K, Hv]` (the new positions, after
+    key_ln and RoPE; with MLA hook_kv_latent `[..., S, C]`, and hook_k/hook_v
+    where K and V are rebuilt from the latents), hook_z `[..., T, N, Hv]` (each
+    head's output after head_mask, the input of W_O), and on request
+    (`interpretability_request`, `AttentionRequest`) hook_attn_scores and
+    hook_pattern `[..., n, T, S]` for n requested heads and hook_result
+    `[..., T, N, D_out]`.
 
     Decoding (`decode=True`, flax's cache): 'cache' holds `cached_key` `[batch...,
     L, K, H]`, `cached_value` `[batch..., L, K, Hv]` (or with MLA only
@@ -1396,6 +1673,8 @@ class MultiHeadAttention(nn.Module):
             if self.use_sinks
             else None,
             params=lambda name: projections[name].variables["params"],
+            hook=functools.partial(_hook, self),
+            request=self.interpretability_request(),
         )
 
     def _cache(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Any], Any] | None:
@@ -1471,7 +1750,7 @@ class MultiHeadAttention(nn.Module):
         positions = input_positions(
             owner, query.shape[-3], inputs_k.shape[-2], None if cache is None else cache[1].value, segment_ids
         )
-        query, entries = rotate_inputs(owner, self, query, entries, *positions)
+        query, entries = hook_projections(layers, *rotate_inputs(owner, self, query, entries, *positions))
         keys, fits = full_pass_keys(owner, self.local_window_size, self.is_causal, segment_ids), None
         if cache is not None:
             entries, keys, fits = self._append(cache, entries, axis)

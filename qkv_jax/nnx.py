@@ -1,5 +1,7 @@
 """qkv_jax's attention and language model as native `flax.nnx` modules.
 
+  HookPoint, LayerNorm  the linen `qkv_jax.modules` hook point and LayerNorm with
+                      hook points, as nnx modules (`qkv_jax.interpretability`).
   LoRALinearGeneral   `flax.nnx.LinearGeneral` with a LoRA adapter (the linen
                       `qkv_jax.lora.LoRADenseGeneral`'s parameters).
   MultiHeadAttention  a drop-in for `flax.nnx.MultiHeadAttention` (its
@@ -40,6 +42,7 @@ from qkv_jax.attention import PrecisionLike
 from qkv_jax.lora import check_adapter, default_lora_a_init, lora_update
 from qkv_jax.modules import (
     AttentionLayers,
+    AttentionRequest,
     KeyVisibility,
     _check_inputs,
     _check_positive,
@@ -50,7 +53,9 @@ from qkv_jax.modules import (
     check_segment_ids,
     flax_dot_product_attention,
     full_pass_keys,
+    hook_projections,
     input_positions,
+    layer_norm,
     project_inputs,
     qk_norm_kind,
     resolve_head_dim,
@@ -63,6 +68,8 @@ Dtype = Any
 Initializer = Any
 
 __all__ = [
+    "HookPoint",
+    "LayerNorm",
     "MultiHeadAttention",
     "LoRALinearGeneral",
     "TransformerBlock",
@@ -114,9 +121,64 @@ _PLAIN_FIELDS = (
     "force_fp32_for_softmax",
     "sow_weights",
 )
+# TransformerBlock's hook points (attributes named as the linen block's HookPoints).
+_BLOCK_HOOKS = (
+    "hook_resid_pre",
+    "hook_attn_out",
+    "hook_resid_mid",
+    "mlp_hook_pre",
+    "mlp_hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
 # flax.nnx.MultiHeadAttention's initializers.
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 _BIAS_INIT = nnx.initializers.zeros_init()
+
+
+class HookPoint(nnx.Module):
+    """`qkv_jax.modules.HookPoint` as an nnx module: `__call__(x) -> x`, no parameters.
+
+    Two static attributes, set by `qkv_jax.interpretability` around a run and
+    reset after it: `hook` (None, or `x -> x'`, which the point then returns)
+    and `capture` (sow the value it returns as `nnx.Intermediate`
+    "activation", which `nnx.capture` collects). Both off, it is the identity.
+    """
+
+    def __init__(self):
+        self.hook: Callable[[Array], Array] | None = None
+        self.capture = False
+
+    def __call__(self, x: Array) -> Array:
+        if self.hook is not None:
+            x = self.hook(x)
+        if self.capture:
+            self.sow(nnx.Intermediate, "activation", x)
+        return x
+
+
+def _hooks_of(module: nnx.Module) -> Callable[[str, Array], Array]:
+    """`(name, x) -> x` through `module`'s HookPoint attribute `name`."""
+    return lambda name, x: getattr(module, name)(x)
+
+
+class LayerNorm(nnx.LayerNorm):
+    """`flax.nnx.LayerNorm` over the last axis with `hook_scale` and `hook_normalized` (`HookPoint`s).
+
+    The same constructor and parameters (`scale`, `bias` `[D]`), computed by
+    `qkv_jax.modules.layer_norm` as the linen `qkv_jax.modules.LayerNorm`.
+    """
+
+    def __init__(self, num_features: int, *, rngs: nnx.Rngs, **options: Any):
+        super().__init__(num_features, rngs=rngs, **options)
+        self.hook_scale = HookPoint()
+        self.hook_normalized = HookPoint()
+
+    def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
+        if mask is not None:
+            raise ValueError("qkv_jax.nnx.LayerNorm: mask is not supported")
+        assert self.scale is not None and self.bias is not None  # built with both (the defaults)
+        return layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype, _hooks_of(self))
 
 
 class LoRALinearGeneral(nnx.LinearGeneral):
@@ -372,6 +434,19 @@ class MultiHeadAttention(nnx.Module):
         if self.use_sinks:  # (N,): one sink logit per query head
             self.sinks = nnx.Param(jnp.zeros((self.num_heads,), self.param_dtype))
         self.rngs = given.rngs.dropout.fork() if given.keep_rngs and self.dropout_rate > 0 else None
+        latent = ("hook_kv_latent",) if self.kv_latent_dim is not None else ()
+        for name in (
+            "hook_q",
+            "hook_k",
+            "hook_v",
+            *latent,
+            "hook_attn_scores",
+            "hook_pattern",
+            "hook_z",
+            "hook_result",
+        ):
+            setattr(self, name, HookPoint())
+        self.request = AttentionRequest()  # static: set by qkv_jax.interpretability around a run
         for name in self._cache_names():
             setattr(self, f"cached_{name}", nnx.data(None))
         self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -393,6 +468,8 @@ class MultiHeadAttention(nnx.Module):
             key_ln=self.key_ln,
             sinks=None if self.sinks is None else self.sinks[...],
             params=lambda name: nnx.to_pure_dict(nnx.state(getattr(self, name), nnx.Param)),
+            hook=_hooks_of(self),
+            request=self.request,
         )
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> None:
@@ -471,7 +548,7 @@ class MultiHeadAttention(nnx.Module):
         query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
         start = self.cache_index[...] if decoding and self.cache_index is not None else None
         positions = input_positions(_OWNER, query.shape[-3], inputs_k.shape[-2], start, segment_ids)
-        query, entries = rotate_inputs(_OWNER, self, query, entries, *positions)
+        query, entries = hook_projections(layers, *rotate_inputs(_OWNER, self, query, entries, *positions))
         is_causal = self.is_causal if is_causal is None else is_causal
         keys, fits = full_pass_keys(_OWNER, self.local_window_size, is_causal, segment_ids), None
         if decoding:
@@ -525,7 +602,7 @@ class MultiHeadAttention(nnx.Module):
 
 
 class TransformerBlock(nnx.Module):
-    """`qkv_jax.lm.TransformerBlock` as an nnx module: the same sub-module names and math.
+    """`qkv_jax.lm.TransformerBlock` as an nnx module: the same sub-module names, math and hook points.
 
     `TransformerBlock(config, *, rngs, layer=0)` (`layer` picks its window);
     `__call__(x, deterministic=True, decode=False, head_mask=None,
@@ -535,7 +612,7 @@ class TransformerBlock(nnx.Module):
     def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
         width, hidden = config.d_model, config.mlp_dim or 4 * config.d_model
         norm = functools.partial(
-            nnx.LayerNorm, width, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+            LayerNorm, width, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
         )
         self.attention_norm = norm()
         self.attention = MultiHeadAttention(
@@ -551,10 +628,14 @@ class TransformerBlock(nnx.Module):
         self.mlp_in = dense(width, hidden, **options)
         self.mlp_out = dense(hidden, width, **options)
         self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        for name in _BLOCK_HOOKS:
+            setattr(self, name, HookPoint())
 
     def __call__(
         self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None
     ) -> Array:
+        hook = _hooks_of(self)
+        x = hook("hook_resid_pre", x)
         h = self.attention(
             self.attention_norm(x),
             deterministic=deterministic,
@@ -562,9 +643,10 @@ class TransformerBlock(nnx.Module):
             head_mask=head_mask,
             segment_ids=segment_ids,
         )  # (..., T, D)
-        x = x + self.dropout(h, deterministic=deterministic)
-        h = nnx.gelu(self.mlp_in(self.mlp_norm(x)))  # (..., T, mlp_dim)
-        return x + self.dropout(self.mlp_out(h), deterministic=deterministic)  # (..., T, D)
+        x = hook("hook_resid_mid", x + self.dropout(hook("hook_attn_out", h), deterministic=deterministic))
+        h = hook("mlp_hook_pre", self.mlp_in(self.mlp_norm(x)))  # (..., T, mlp_dim)
+        h = hook("hook_mlp_out", self.mlp_out(hook("mlp_hook_post", nnx.gelu(h))))  # (..., T, D)
+        return hook("hook_resid_post", x + self.dropout(h, deterministic=deterministic))  # (..., T, D)
 
 
 class TransformerLM(nnx.Module):
@@ -590,14 +672,16 @@ class TransformerLM(nnx.Module):
             param_dtype=config.param_dtype,
             rngs=rngs,
         )
+        self.hook_embed = HookPoint()
         self.position_embedding: nnx.Param | None = nnx.data(None)
         if config.positions == "learned":
             self.position_embedding = nnx.Param(
                 lm.embedding_init(rngs.params(), (config.max_len, config.d_model), config.param_dtype)
             )
+            self.hook_pos_embed = HookPoint()
         for layer in range(config.num_layers):
             setattr(self, f"block_{layer}", TransformerBlock(config, rngs=rngs, layer=layer))
-        self.final_norm = nnx.LayerNorm(
+        self.final_norm = LayerNorm(
             config.d_model, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
         )
         self.head = nnx.Linear(
@@ -642,9 +726,9 @@ class TransformerLM(nnx.Module):
         )
         if self.cache_index is not None and index is not None:
             self.cache_index[...] = new_index
-        x = self.token_embedding(tokens)  # (..., T, D)
+        x = self.hook_embed(self.token_embedding(tokens))  # (..., T, D)
         if self.position_embedding is not None:
-            x = lm.add_positions(x, self.position_embedding[...], positions)  # (..., T, D)
+            x = x + self.hook_pos_embed(lm.position_embeddings(self.position_embedding[...], positions, x))
         x = self.dropout(x, deterministic=deterministic)
         if head_mask is not None and jnp.shape(head_mask) != (config.num_layers, config.num_heads):
             raise ValueError(

@@ -9,12 +9,16 @@ give on one input. This package looks at both:
   attribution  reading a cache of activations (TransformerLens hook names):
                logit lens, per-head results, residual decomposition, direct
                logit attribution with the final LayerNorm's scale frozen.
-  cache        the hook-name vocabulary (`HOOK_SHAPES`) and names filters.
+  cache        the hook-name vocabulary (`HOOK_SHAPES`, `hook_name`) and names filters.
+  capture      reading and changing activations by name: run_with_cache,
+               run_with_hooks, generate_with_cache (linen and nnx models).
+  patching     hooks that replace or ablate activations, and patching sweeps
+               over (layer, head) or (layer, position) in one program.
   tl           the same model as TransformerLens 4.x's own (imports torch and
                transformer_lens on use; not imported here).
 """
 
-from qkv_jax.interpretability import attribution, cache, circuits
+from qkv_jax.interpretability import attribution, cache, capture, circuits, patching
 from qkv_jax.interpretability.attribution import (
     accumulated_resid,
     direct_logit_attribution,
@@ -22,7 +26,8 @@ from qkv_jax.interpretability.attribution import (
     logit_lens,
     residual_decomposition,
 )
-from qkv_jax.interpretability.cache import HOOK_SHAPES, hook_names, select_names
+from qkv_jax.interpretability.cache import HOOK_SHAPES, hook_name, hook_names, select_names
+from qkv_jax.interpretability.capture import generate_with_cache, run_with_cache, run_with_hooks
 from qkv_jax.interpretability.circuits import (
     EmbeddingWeights,
     HeadWeights,
@@ -39,14 +44,25 @@ from qkv_jax.interpretability.circuits import (
     token_ov_circuit,
     token_qk_circuit,
 )
+from qkv_jax.interpretability.patching import ablate, activation_axes, patching_sweep, replace
 
 __all__ = [
     "attribution",
     "cache",
     "circuits",
+    "capture",
+    "patching",
     "HOOK_SHAPES",
     "hook_names",
+    "hook_name",
     "select_names",
+    "run_with_cache",
+    "run_with_hooks",
+    "generate_with_cache",
+    "activation_axes",
+    "replace",
+    "ablate",
+    "patching_sweep",
     "HeadWeights",
     "EmbeddingWeights",
     "head_weights",
