@@ -55,9 +55,6 @@ def run_on_devices(devices, runs):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-
-
-
 def assert_same_run(workdir_a, workdir_b, config, atol=1e-5):
     losses_a = [r["loss"] for r in read_metrics(pathlib.Path(workdir_a) / "metrics.jsonl")]
     losses_b = [r["loss"] for r in read_metrics(pathlib.Path(workdir_b) / "metrics.jsonl")]
