@@ -107,7 +107,9 @@ def reference_forward(config, params, tokens):
         q = np.einsum("btd,dnh->btnh", h, _kernel(att["query"], alpha)) + att["query"]["bias"]
         source = h
         if "kv_latent" in att:
-            source = h @ _kernel(att["kv_latent"], alpha) + att["kv_latent"]["bias"]
+            source = acts[name + "attn.hook_kv_latent"] = (
+                h @ _kernel(att["kv_latent"], alpha) + att["kv_latent"]["bias"]
+            )
         k = np.einsum("btc,ckh->btkh", source, _kernel(att["key"], alpha)) + att["key"]["bias"]
         v = np.einsum("btc,ckh->btkh", source, _kernel(att["value"], alpha)) + att["value"]["bias"]
         scores = np.empty((B, N, T, T))
