@@ -19,6 +19,10 @@ Variants (`--config configs/flag_retrieval.py:<variant>`):
   thermostat the learned-query model at d_k=256, where the 1/sqrt(d_k) scale matters:
              python -m experiments.train --config configs/flag_retrieval.py:thermostat \
                --workdir runs/thermostat --config.model.scaled=False
+  logit_scale  one MultiHeadAttention head at d_k=256, the base of the logit_scale study
+             (no scale, 1/sqrt(d_k), QK-norm, a soft cap; see experiments/study.py):
+             python -m experiments.train --config configs/flag_retrieval.py:logit_scale \
+               --workdir runs/flag_qk_norm --config.model.scaled=False --config.model.normalize_qk=rms
 
 Any field can be overridden, e.g. --config.train.steps=500 --config.model.d_k=4.
 
@@ -32,7 +36,19 @@ import ml_collections
 
 from configs import common
 
-VARIANTS = ("learned_query", "static", "multihead", "two_flag", "thermostat")
+VARIANTS = ("learned_query", "static", "multihead", "two_flag", "thermostat", "logit_scale")
+# The logit_scale study's ways of keeping the attention logits in range, as model overrides:
+# no scale, 1/sqrt(d_k), QK-norm (RMS) without and with the scale, a soft cap at 5 without it.
+LOGIT_SCALE_ARMS = tuple(
+    {"model.scaled": scaled, "model.normalize_qk": norm, "model.attn_logits_soft_cap": cap}
+    for scaled, norm, cap in [
+        (False, "none", None),
+        (True, "none", None),
+        (False, "rms", None),
+        (True, "rms", None),
+        (False, "none", 5.0),
+    ]
+)
 
 
 def get_config(arg=None):
@@ -43,13 +59,14 @@ def get_config(arg=None):
 
     config.model = ml_collections.ConfigDict()
     # learned_query (one learned query vector with W_q, W_k, W_v), static (no parameters) or multihead.
-    config.model.kind = {"static": "static", "multihead": "multihead", "two_flag": "multihead"}.get(
-        variant, "learned_query"
+    multihead = {"multihead", "two_flag", "logit_scale"}
+    config.model.kind = (
+        "static" if variant == "static" else "multihead" if variant in multihead else "learned_query"
     )
     # Token width: content channels plus task.num_flags flag channels.
     config.model.d_model = 8
     # Total query/key width, split evenly over the heads.
-    config.model.d_k = 256 if variant == "thermostat" else 8
+    config.model.d_k = 256 if variant in ("thermostat", "logit_scale") else 8
     # Total value width (multihead only), split over the heads; unset = model.d_k. two_flag
     # sets it to the target width (2 x 6 content channels), enough to carry both contents.
     config.model.d_v = ml_collections.config_dict.placeholder(int)
@@ -61,6 +78,10 @@ def get_config(arg=None):
     config.model.scaled = True
     # Matmul precision (flax's `precision`): default, high or highest; unset = JAX's default.
     config.model.precision = ml_collections.config_dict.placeholder(str)
+    # multihead only: normalize each head's queries and keys over its depth: none, layernorm or rms.
+    config.model.normalize_qk = "none"
+    # multihead only: soft-cap the attention logits at c, c * tanh(logits / c); unset = off.
+    config.model.attn_logits_soft_cap = ml_collections.config_dict.placeholder(float)
 
     config.task = common.task("qkv_jax.tasks.flag_retrieval", "flag_retrieval")
     # Tokens per example.
@@ -89,6 +110,8 @@ def get_sweep(arg=None):
         return {"model.d_k": [4, 8, 16], "model.num_heads": [1, 2, 4]}
     if variant == "thermostat":  # with and without 1/sqrt(d_k), at small and large d_k
         return {"model.d_k": [8, 64, 256, 1024], "model.scaled": [True, False]}
+    if variant == "logit_scale":  # each way of keeping the logits in range, at each d_k
+        return [{"model.d_k": d_k, **arm} for d_k in (16, 64, 256, 1024) for arm in LOGIT_SCALE_ARMS]
     if variant == "multihead":
         return {"model.d_k": [2, 4, 8, 16], "model.num_heads": [1, 2, 4]}
     raise ValueError(f"configs/flag_retrieval.py:{variant}: no sweep defined for this variant")

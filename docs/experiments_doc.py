@@ -396,6 +396,194 @@ def thermostat() -> str:
     )
 
 
+# --- Keeping the logits in range: 1/sqrt(d_k), QK-norm, a soft cap -----------------------------
+
+LOGIT_SCALE_COMMAND = [
+    "experiments.study",
+    "logit_scale",
+    "--workdir",
+    "runs/studies/logit_scale",
+    "--seeds",
+    "4",
+    "--config",
+    "configs/flag_retrieval.py:logit_scale",
+    "--config.train.steps=300",
+    "--config.train.log_every=10",
+    "--config.train.checkpoint_every=100",
+    "--config.eval.num_examples=2000",
+]
+
+
+EXCLUDES = ", the interval excludes 0"
+
+
+def _arm_at(record: dict, d_k: int, arm: str) -> dict | None:
+    return next((r for r in record["rows"] if r["d_k"] == d_k and r["arm"] == arm), None)
+
+
+def _arm_against_reference(record: dict, arm: str) -> list[str]:
+    """Per d_k, one clause: the arm's seeds converged, steps and the paired difference in steps
+    and in initial entropy from 1/sqrt(d_k)."""
+    clauses = []
+    for d_k in sorted({r["d_k"] for r in record["rows"]}):
+        row, reference = _arm_at(record, d_k, arm), _arm_at(record, d_k, record["reference"])
+        if row is None or reference is None or row["minus_reference"] is None:
+            continue
+        steps, entropy = row["minus_reference"]["steps_to_converge"], row["minus_reference"]["entropy_init"]
+        censored = "" if all(row["reached"]) else "at least "
+        clauses.append(
+            f"d_k = {d_k}: {sum(row['reached'])}/{len(row['reached'])} seeds converged, "
+            f"{censored}{fmt(row['intervals']['steps_to_converge']['mean'], 3)} steps against "
+            f"{fmt(reference['intervals']['steps_to_converge']['mean'], 3)} "
+            f"({censored}{ci(steps, 1, signed=True)}{EXCLUDES if excludes_zero(steps) else ''}); "
+            f"entropy at init {ci(entropy, 2, signed=True)} nats"
+        )
+    return clauses
+
+
+def _slower(record: dict, arm: str) -> list[int]:
+    """The d_k at which `arm` took significantly more steps than 1/sqrt(d_k), or missed a seed."""
+    slower = []
+    for row in record["rows"]:
+        if row["arm"] == arm and row["minus_reference"] is not None:
+            steps = row["minus_reference"]["steps_to_converge"]
+            if (excludes_zero(steps) and steps["mean"] > 0) or not all(row["reached"]):
+                slower.append(row["d_k"])
+    return sorted(slower)
+
+
+def _listed(values: list[int]) -> str:
+    return "none" if not values else ", ".join(map(str, values))
+
+
+def _logit_scale_verdict(record: dict, largest: int) -> str:
+    qk, qk_scaled = "QK-norm (rms)", "QK-norm (rms) + 1/sqrt(d_k)"
+    slower, slower_scaled = _slower(record, qk), _slower(record, qk_scaled)
+    missed = [r["d_k"] for r in record["rows"] if r["arm"] == qk and not all(r["reached"])]
+    verdict = (
+        f"No. QK-norm without the scale converged later than the scale alone (the paired interval "
+        f"excludes 0, or seeds never reached {record['threshold']:g}) at d_k = {_listed(slower)}"
+        + (
+            f"; at d_k = {_listed(missed)} no seed reached it in {record['rows'][0]['budget']} steps"
+            if missed
+            else ""
+        )
+        + ". "
+        if slower
+        else "Within this budget and these intervals, yes: QK-norm without the scale was never significantly "
+        "slower than the scale alone and every seed converged. "
+    )
+    return verdict + (
+        (
+            f"QK-norm with the scale was slower than the scale alone at d_k = {_listed(slower_scaled)}. "
+            if slower_scaled
+            else "QK-norm with the scale was never slower than the scale alone (no interval excludes 0 "
+            "above it, every seed converged). "
+        )
+        + f"No scale at all was slower at d_k = {_listed(_slower(record, 'no scale'))}, the soft cap at 5 "
+        f"without the scale at d_k = {_listed(_slower(record, 'soft cap 5'))}. "
+    )
+
+
+def _init_entropy(record: dict, d_k: int, arm: str) -> float:
+    row = _arm_at(record, d_k, arm)
+    return math.nan if row is None else row["intervals"]["entropy_init"]["mean"]
+
+
+def _logit_scale_answer(record: dict) -> str:
+    qk, qk_scaled = "QK-norm (rms)", "QK-norm (rms) + 1/sqrt(d_k)"
+    largest = max(r["d_k"] for r in record["rows"])
+    gradients = "; ".join(
+        f"{r['arm']} {ci(r['minus_reference']['log10_grad_query_init'], 2, signed=True)}"
+        for r in record["rows"]
+        if r["d_k"] == largest and r["minus_reference"] is not None
+    )
+    entropy = {
+        arm: _init_entropy(record, largest, arm) for arm in (qk, qk_scaled, "no scale", record["reference"])
+    }
+    return (
+        _logit_scale_verdict(record, largest)
+        + "RMS-normalised queries and keys each have norm sqrt(d_k) at initialisation (the norm's gain "
+        "starts at 1), so without the scale their dot products grow with d_k as unscaled ones do: at d_k = "
+        + f"{largest} the rows start at {fmt(entropy[qk], 3)} nats with QK-norm alone, "
+        f"{fmt(entropy['no scale'], 3)} with no scale, {fmt(entropy[qk_scaled], 3)} with QK-norm "
+        f"and the scale and {fmt(entropy[record['reference']], 3)} with the scale alone (uniform: "
+        "1.609). QK-norm fixes the size of q and k; the scale still sets the size of the logits. "
+        "In detail, QK-norm without the scale against the scale alone, paired over seeds (difference in "
+        "steps to converge, 95% CI; a seed that never converged counts as the budget, so those "
+        "differences are lower bounds): "
+        + "; ".join(_arm_against_reference(record, qk))
+        + ". QK-norm with the scale, against the scale alone: "
+        + "; ".join(_arm_against_reference(record, qk_scaled))
+        + ". A soft cap at 5 without the scale: "
+        + "; ".join(_arm_against_reference(record, "soft cap 5"))
+        + f". The gradient reaching W_q at initialisation at d_k = {largest}, log10 of each arm's over "
+        f"1/sqrt(d_k)'s: {gradients}. " + _logit_scale_ends(record, largest)
+    )
+
+
+def _logit_scale_ends(record: dict, largest: int) -> str:
+    """Whether any arm starts with less gradient at W_q than the scale alone, and where the arms
+    that did not converge at the largest d_k ended."""
+    rows = [r for r in record["rows"] if r["d_k"] == largest and r["minus_reference"] is not None]
+    starved = [
+        r["arm"]
+        for r in rows
+        if excludes_zero(r["minus_reference"]["log10_grad_query_init"])
+        and r["minus_reference"]["log10_grad_query_init"]["mean"] < 0
+    ]
+    text = (
+        f"Less gradient at the start than with the scale alone: {', '.join(starved)}. "
+        if starved
+        else "No arm starts with less gradient at W_q than the scale alone (no interval excludes 0 below "
+        "it): the arms that fail do not fail for want of gradient at the start. "
+    )
+    failed = [r for r in rows if not all(r["reached"])]
+    return text + "".join(
+        f"Arm '{r['arm']}' at d_k = {largest} ends with row entropy "
+        f"{ci(r['intervals']['entropy_end'], 3)} nats and accuracy "
+        f"{ci(r['intervals']['final_accuracy'], 3)}. "
+        for r in failed
+    )
+
+
+def logit_scale() -> str:
+    workdir = ROOT / LOGIT_SCALE_COMMAND[3]
+    run(LOGIT_SCALE_COMMAND)
+    record = json.loads((workdir / "results.json").read_text())
+    image = copy_image(workdir / "logit_scale.png", "study_logit_scale.png")
+    return "\n".join(
+        [
+            "## Keeping the logits in range: does QK-norm make 1/sqrt(d_k) unnecessary?",
+            "",
+            "**Question.** Dividing the logits by sqrt(d_k) keeps them in range as the query/key depth "
+            "grows. QK-norm (normalising each head's queries and keys) and a tanh soft cap bound the "
+            "logits another way. With QK-norm, is the scale still needed?",
+            "",
+            "**Design.** The flag task with one MultiHeadAttention head reading a learned query token "
+            "(`configs/flag_retrieval.py:logit_scale`), at d_k = 16, 64, 256, 1024, with five arms: no "
+            "scale, 1/sqrt(d_k), QK-norm (RMS, learned gain) without and with the scale, and a soft cap "
+            "c tanh(logits / c) at c = 5 without the scale. 4 seeds per cell trained together, 300 Adam "
+            "steps; seed s of every arm sees the same batches and starts from the same W_q, W_k, W_v, W_O "
+            "and query token, so each arm is compared with 1/sqrt(d_k) at the same d_k seed by seed "
+            "(paired t intervals). Every 10 steps (and before the first) the thermostat study's probe "
+            "measures the gradient of the loss at W_q on 8 fixed training batches and the attention "
+            f"entropy on 2000 fixed evaluation examples, with the accuracy (the top-attended position is "
+            f"the flagged one); steps to converge is the first probe step at which the accuracy is at "
+            f"least {record['threshold']:g} (`qkv_jax/studies/variants.py`). The char-LM half of the "
+            "question (validation bits/char with each arm) was not run.",
+            "",
+            f"**Command:** `{shown(LOGIT_SCALE_COMMAND)}`",
+            "",
+            *record["table"],
+            "",
+            f"![steps to converge per d_k, and the accuracy through training]({image})",
+            "",
+            f"**Answer.** {_logit_scale_answer(record)}",
+        ]
+    )
+
+
 # --- What W_Q and W_K learn on the flag task -------------------------------------------------
 
 
@@ -1342,6 +1530,7 @@ STUDIES: dict[str, Callable[[], str]] = {
     "two_flag_heads": two_flag_heads,
     "flag_min_dk": flag_min_dk,
     "thermostat": thermostat,
+    "logit_scale": logit_scale,
     "flag_reader_circuit": flag_reader_circuit,
     "lm_causal_mask": lm_causal_mask,
     "lm_kv_heads": lm_kv_heads,

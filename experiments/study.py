@@ -6,6 +6,8 @@ r"""Run one study of learned attention; it writes its own results, table and plo
     --config configs/flag_retrieval.py:thermostat --config.train.steps=300 --config.train.log_every=10
   python -m experiments.study induction --workdir runs/induction --seeds 4 \
     --config configs/sequences.py:repeat --config.train.keep_checkpoints=0
+  python -m experiments.study logit_scale --workdir runs/logit_scale --seeds 4 \
+    --config configs/flag_retrieval.py:logit_scale --config.train.steps=300 --config.train.log_every=10
   python -m experiments.study lora_finetune --workdir runs/lora --pretrained runs/pretrain --seeds 3
   python -m experiments.study kv_conversion --workdir runs/conversion --pretrained runs/pretrain --seeds 3
   python -m experiments.study head_ablation --workdir runs/ablation --pretrained runs/pretrain --seeds 3
@@ -26,6 +28,11 @@ resumes: finished runs and sweep cells are read back, not retrained.
                  at initialisation and through training.
   induction      (a sequences.py:repeat config) every head's induction score and
                  previous-token weight through training: when induction heads form.
+  logit_scale    (configs/flag_retrieval.py:logit_scale, its get_sweep cells) one
+                 MultiHeadAttention head at d_k 16 to 1024 with no scale, 1/sqrt(d_k),
+                 QK-norm without and with the scale, and a soft cap: steps until the
+                 evaluation accuracy reaches 0.95, attention entropy and the gradient at
+                 W_q at initialisation and through training, each paired against 1/sqrt(d_k).
   lora_finetune  each seed's model (pre-trained once per seed in --pretrained, shared
                  by the three fine-tuning studies) fine-tuned onto the standard
                  library's docstrings: in full, and with LoRA adapters of rank 1-16.

@@ -7,7 +7,7 @@ with the command that regenerates them.
 
 from __future__ import annotations
 
-from qkv_jax.studies import circuits, finetuning, language_model, mechanisms
+from qkv_jax.studies import circuits, finetuning, language_model, mechanisms, variants
 from qkv_jax.studies.results import Study
 
 __all__ = ["STUDIES"]
@@ -17,4 +17,5 @@ STUDIES: dict[str, Study] = {
     **mechanisms.STUDIES,
     **finetuning.STUDIES,
     **circuits.STUDIES,
+    **variants.STUDIES,
 }

@@ -16,18 +16,21 @@ flagged content, evaluated on fresh examples (`flag_metrics`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
 from qkv_jax.diagnostics import head_diagnostics
 from qkv_jax.models import FLAG_READER_KINDS, FlagReader
-from qkv_jax.tasks.transformer import PRECISIONS
+from qkv_jax.tasks.transformer import NORMALIZE_QK, PRECISIONS
 from qkv_jax.training import validate
 from qkv_jax.training.setup import AttentionView, Setup
 from qkv_jax.training.validate import ConfigError
+
+_QK_NORM = cast("dict[str, bool | str]", NORMALIZE_QK)  # model.normalize_qk -> FlagReader's normalize_qk
 
 __all__ = [
     "flag_retrieval_batch",
@@ -80,6 +83,7 @@ def validate_config(config: Any) -> None:
     if config["model"].get("precision") is not None:
         validate.require_choice(config, "model.precision", PRECISIONS)
     model, task = config["model"], config["task"]
+    _validate_attention_variants(model)
     if model["kind"] == "multihead":
         validate.require_divides(config, "model.num_heads", "model.d_k")
         if model.get("d_v") is not None:
@@ -98,6 +102,28 @@ def validate_config(config: Any) -> None:
     if task["num_flags"] > task["seq_len"]:
         raise ConfigError(
             f"task.num_flags={task['num_flags']}: more flags than positions (task.seq_len={task['seq_len']})"
+        )
+
+
+def _validate_attention_variants(model: dict) -> None:
+    """model.normalize_qk (none, layernorm, rms) and model.attn_logits_soft_cap (unset or a
+    finite number > 0), both for model.kind='multihead' only; a config written before these
+    fields existed reads as neither."""
+    normalize_qk, cap = model.get("normalize_qk", "none"), model.get("attn_logits_soft_cap")
+    if normalize_qk not in NORMALIZE_QK:
+        raise ConfigError(
+            f"model.normalize_qk={normalize_qk!r}: unknown; choose one of {', '.join(NORMALIZE_QK)}"
+        )
+    if cap is not None and (
+        isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (math.isfinite(cap) and cap > 0)
+    ):
+        raise ConfigError(f"model.attn_logits_soft_cap={cap!r}: must be a positive finite number (or unset)")
+    if model["kind"] != "multihead" and (normalize_qk != "none" or cap is not None):
+        field = "model.normalize_qk" if normalize_qk != "none" else "model.attn_logits_soft_cap"
+        value = normalize_qk if normalize_qk != "none" else cap
+        raise ConfigError(
+            f"{field}={value!r}: only model.kind='multihead' (MultiHeadAttention) takes it, "
+            f"not model.kind={model['kind']!r}"
         )
 
 
@@ -228,6 +254,8 @@ def build(config: Any) -> Setup:
         num_flags=num_flags,
         scaled=model_config["scaled"],
         precision=model_config.get("precision"),
+        normalize_qk=_QK_NORM[model_config.get("normalize_qk", "none")],
+        attn_logits_soft_cap=model_config.get("attn_logits_soft_cap"),
     )
     flag = FlagRetrieval(
         model=model,
