@@ -2,6 +2,8 @@ r"""Pictures, head diagnostics and the attention explorer page of a finished run
 
   python -m experiments.report --workdir runs/flag
   python -m experiments.report --workdir runs/char_lm --prompt "def forward(self, x):"
+  python -m experiments.report --workdir runs/char_lm \
+    --clean "x = f(a); y = f(" --corrupted "x = g(a); y = f("
 
 A run: loss.png, the experiment's attention pictures of the newest checkpoint,
 report.json with the evaluation metrics and per-head diagnostics (entropy,
@@ -9,8 +11,19 @@ attention on the flagged position or, for LMs, distance, previous/first
 token and induction scores), and report.html: one self-contained page (open
 it from disk in any browser) with every layer's and head's attention on a
 few inputs, at every saved checkpoint, the diagnostics table, the loss curves
-and the config. A sweep: loss_curves.png, the table plots, each cell's
-report.html (its first seed) and results.html linking to them.
+and the config, and the circuits of the learned matrices: each head's W_QK and
+W_OV singular values at every checkpoint shown, the heads' composition scores,
+and for a language model with --clean and --corrupted a patching heat map.
+A sweep: loss_curves.png, the table plots, each cell's report.html (its first
+seed) and results.html linking to them.
+
+Patching: the two prompts must have as many tokens (a char LM reads characters,
+the sequence tasks whitespace-separated token ids). The answer is the model's
+most likely next token after the clean prompt, the contrast its most likely one
+after the corrupted prompt (they must differ); each head's clean output (its z,
+before W_O, at every position) replaces its output in the corrupted run in
+turn, and the heat map shows the share of logit(answer) - logit(contrast) at
+the last position this restores: (patched - corrupted) / (clean - corrupted).
 """
 
 from absl import flags
@@ -20,6 +33,8 @@ from experiments import common
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A run's or a sweep's workdir.")
 flags.DEFINE_string("prompt", None, "Language models: a text the explorer page shows too.")
+flags.DEFINE_string("clean", None, "Language models: the clean prompt of the page's patching heat map.")
+flags.DEFINE_string("corrupted", None, "With --clean: the corrupted prompt, as many tokens long.")
 common.define_common_flags()
 
 
@@ -30,15 +45,25 @@ def main(argv):
     from qkv_jax.studies.results import report_sweep
     from qkv_jax.training import ConfigError
 
+    if (FLAGS.clean is None) != (FLAGS.corrupted is None):
+        given = "--clean" if FLAGS.clean is not None else "--corrupted"
+        common.fail(f"{given} needs the other of --clean and --corrupted", code=2)
+    patching = None if FLAGS.clean is None else (FLAGS.clean, FLAGS.corrupted)
     try:
         if is_sweep(FLAGS.workdir):
+            if patching is not None:
+                common.fail(
+                    f"--workdir={FLAGS.workdir}: a sweep; --clean and --corrupted patch one run (report it "
+                    "without them, or give a run's workdir)",
+                    code=2,
+                )
             result = report_sweep(FLAGS.workdir, FLAGS.prompt)
             print(
                 f"{FLAGS.workdir}: loss_curves.png ({result['plotted']} cells), the table plots, "
                 f"results.html and {result['pages']} cell pages"
             )
             return
-        report = report_run(FLAGS.workdir, FLAGS.prompt)
+        report = report_run(FLAGS.workdir, FLAGS.prompt, patching)
     except ConfigError as error:
         common.fail(str(error), code=2)
     page = " and report.html" if "page" in report else ""

@@ -5,9 +5,10 @@ and checks it against `data`: no console error, no network request, hovering a
 query shows that head's weights (the quantised numbers of `page_attention`, and
 within half a step of the raw ones), the checkpoint slider switches to the other
 checkpoint's numbers, the diagnostics table sorts and selects heads, and the
-rendered heatmap and page are not blank. The smaller `check_*` functions are the
-pieces. Chromium is Debian's (/usr/bin/chromium), driven by playwright through
-`executable_path`; `playwright install` is never needed.
+rendered heatmap and page are not blank, and the circuits view shows the data's
+singular values, effective ranks, composition scores and patching shares. The smaller
+`check_*` functions are the pieces. Chromium is Debian's (/usr/bin/chromium), driven by
+playwright through `executable_path`; `playwright install` is never needed.
 """
 
 from __future__ import annotations
@@ -261,6 +262,126 @@ def check_screenshot(page, data: dict) -> None:
     assert np.abs(centres[keep] - expected[keep]).max() <= 2, "the heatmap does not show the weights"
 
 
+# ---- The circuits view --------------------------------------------------------------------
+
+
+def _numbers(values: list) -> list[float | None]:
+    """The data-value texts of cells as numbers (None for an empty one)."""
+    return [None if value == "" else float(value) for value in values]
+
+
+def spectrum_rows(page) -> dict[tuple[str, int], tuple[float, list[float]]]:
+    """{(matrix, head): (effective rank, singular values)} as the spectrum table shows them."""
+    rows = page.locator("#spectrum-table tbody tr").evaluate_all(
+        "rows => rows.map(r => [r.dataset.matrix, Number(r.dataset.head), "
+        "r.querySelector('.rank').dataset.value, "
+        "Array.from(r.querySelectorAll('.singular-value'), c => c.dataset.value)])"
+    )
+    return {(matrix, head): (float(rank), _numbers(values)) for matrix, head, rank, values in rows}
+
+
+def check_spectra(page, data: dict, checkpoint: int, layer: int, head: int | str) -> None:
+    """With (layer, head) and the checkpoint selected, the spectrum table shows exactly the data's
+    singular values and effective ranks of that head (every head for "all"), and the plot a dot
+    per positive value of the current checkpoint."""
+    circuits = data["circuits"]
+    select(page, 0, layer, head)
+    set_checkpoint(page, data, checkpoint)
+    heads = range(data["num_heads"]) if head == "all" else [head]
+    expected = {
+        (matrix, h): (
+            circuits[matrix]["effective_rank"][checkpoint][layer][h],
+            list(circuits[matrix]["values"][checkpoint][layer][h]),
+        )
+        for matrix in ("qk", "ov")
+        if circuits[matrix] is not None
+        for h in heads
+    }
+    assert spectrum_rows(page) == expected
+    dots = sum(int(np.count_nonzero(np.asarray(values) > 0)) for _, values in expected.values())
+    assert page.locator("#spectrum-plot circle").count() == dots
+    if head != "all":
+        text = page.locator("#effective-rank").inner_text()
+        for matrix in ("qk", "ov"):
+            if circuits[matrix] is not None:
+                rank = circuits[matrix]["effective_rank"][checkpoint][layer][head]
+                assert f"effective rank {float(f'{rank:.4g}'):g} of" in text, text
+
+
+def check_composition(page, data: dict, checkpoint: int, mode: str) -> None:
+    """At `checkpoint`, the composition table of `mode` holds exactly the data's scores of every
+    earlier head into every later one; clicking a cell selects its later head."""
+    scores = np.asarray(data["circuits"]["composition"][mode][checkpoint], np.float64)  # (L, N, L, N)
+    set_checkpoint(page, data, checkpoint)
+    page.check(f'input[name="composition-mode"][value="{mode}"]')
+    cells = page.locator("#composition-table td[data-value]").evaluate_all(
+        "cells => cells.map(c => [c.dataset.sourceLayer, c.dataset.sourceHead, c.dataset.targetLayer, "
+        "c.dataset.targetHead, c.dataset.value].map(Number))"
+    )
+    layers, heads = scores.shape[:2]
+    expected = [
+        [l1, h1, l2, h2, scores[l1, h1, l2, h2]]
+        for l1 in range(layers - 1)
+        for h1 in range(heads)
+        for l2 in range(1, layers)
+        for h2 in range(heads)
+        if l1 < l2
+    ]
+    assert cells == expected
+    l1, h1, l2, h2, _ = expected[-1]
+    page.locator(
+        f'#composition-table td[data-source-layer="{l1}"][data-source-head="{h1}"]'
+        f'[data-target-layer="{l2}"][data-target-head="{h2}"]'
+    ).click()
+    assert page.locator("#layer-select").input_value() == str(l2)
+    assert page.locator("#head-select").input_value() == str(h2)
+
+
+def check_patching(page, data: dict) -> None:
+    """The heat map's cells are exactly the data's restored shares (empty for None), and its text
+    names the prompts' answer and contrast; without patching, the page shows the note."""
+    patching = data["circuits"]["patching"]
+    if patching is None:
+        assert page.locator("#patching-table").is_hidden()
+        assert page.locator("#patching-text").inner_text() == data["circuits"]["patching_note"]
+        return
+    cells = page.locator("#patching-table td").evaluate_all(
+        "cells => cells.map(c => [Number(c.dataset.layer), Number(c.dataset.head), c.dataset.value])"
+    )
+    layers, heads = len(patching["restored"]), len(patching["restored"][0])
+    assert [(layer, head) for layer, head, _ in cells] == list(np.ndindex(layers, heads))
+    assert _numbers([value for _, _, value in cells]) == [v for row in patching["restored"] for v in row]
+    text = page.locator("#patching-text").inner_text()
+    for key in ("answer", "contrast"):
+        assert f'"{visible_token(patching[key])}"' in text, text
+
+
+def visible_token(text: str) -> str:
+    """A token as the page writes it: whitespace as visible symbols (run_page.js visibleToken)."""
+    return text.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5") or "\u2205"
+
+
+def check_circuits(page, data: dict) -> None:
+    """The circuits view against `data`: its notes, every head's spectra of the last layer at the
+    last checkpoint and its last head's at the last and the first, each composition mode at the
+    first checkpoint, and the patching heat map or note."""
+    circuits = data["circuits"]
+    assert page.locator("#circuit-notes li").all_inner_texts() == circuits["notes"]
+    last, layer, head = len(data["checkpoints"]) - 1, len(data["layers"]) - 1, data["num_heads"] - 1
+    if circuits["qk"] is not None or circuits["ov"] is not None:
+        check_spectra(page, data, last, layer, "all")
+        for checkpoint in sorted({last, 0}, reverse=True):  # ends on the head view's own selection
+            check_spectra(page, data, checkpoint, layer, head)
+    else:
+        assert page.locator("#spectra").is_hidden()
+    if circuits["composition"] is not None:
+        for mode in ("Q", "K", "V"):
+            check_composition(page, data, 0, mode)
+    else:
+        assert page.locator("#composition").is_hidden()
+    check_patching(page, data)
+
+
 def check_page(browser, path: str | pathlib.Path, data: dict) -> None:
     """Every check above on the page at `path`, built from `data`; the last example, layer and head."""
     check_no_external_references(path)
@@ -282,4 +403,6 @@ def check_page(browser, path: str | pathlib.Path, data: dict) -> None:
         if data["diagnostics"]["rows"]:
             row = data["diagnostics"]["rows"][0]
             check_row_selects_head(page, data, 0, row["layer"], row["head"])
+        if "circuits" in data:
+            check_circuits(page, data)
         check_screenshot(page, data)

@@ -10,15 +10,18 @@ import pytest
 
 from configs import char_lm, flag_retrieval, sequences
 from qkv_jax.studies.circuits import (
+    PATCH_SEQUENCES,
     STUDIES,
     distinct_patterns,
     flag_reader,
     flag_reader_geometry,
     flag_reader_probe,
+    head_patching,
     induction_composition,
     induction_composition_probe,
     kv_views,
     kv_views_probe,
+    patching_pair,
     pattern_divergence,
     risen_at,
     steepest_at,
@@ -191,6 +194,34 @@ def test_each_probe_refuses_the_wrong_task():
         induction_composition_probe(build_setup(flag_retrieval.get_config()))
 
 
+def test_head_patching_is_one_patched_run_per_head_as_a_share_of_the_clean_advantage():
+    """Entry (l, h) of head_patching is (patched - corrupted) / (clean - corrupted) of the mean
+    correct-token logit over the copy, with head h of layer l's clean hook_z in the corrupted run."""
+    from qkv_jax.interpretability import replace, run_with_cache, run_with_hooks
+    from qkv_jax.lm import TransformerConfig, TransformerLM
+
+    model = TransformerLM(TransformerConfig(vocab_size=8, num_layers=2, d_model=16, num_heads=2, max_len=8))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    clean, corrupted = patching_pair(model)
+    assert clean.shape == corrupted.shape == (PATCH_SEQUENCES, 8)
+    np.testing.assert_array_equal(clean[:, 4:], corrupted[:, 4:])
+    shares = head_patching(model, params, clean, corrupted)
+
+    def correct(logits):
+        return np.mean(np.take_along_axis(np.asarray(logits)[:, 4:-1], np.asarray(clean)[:, 5:, None], -1))
+
+    _, cache = run_with_cache(model, {"params": params}, clean)
+    low, high = (
+        correct(model.apply({"params": params}, corrupted)),
+        correct(model.apply({"params": params}, clean)),
+    )
+    for layer, head in [(0, 1), (1, 0)]:
+        name = f"blocks.{layer}.attn.hook_z"
+        hooks = {name: replace(cache[name], heads=head)}
+        patched = correct(run_with_hooks(model, {"params": params}, corrupted, hooks=hooks))
+        np.testing.assert_allclose(shares[layer, head], (patched - low) / (high - low), rtol=1e-4, atol=1e-5)
+
+
 # --- Each study end to end, shrunk ---------------------------------------------------------------
 
 
@@ -224,6 +255,8 @@ def test_induction_composition_study_runs(tmp_path):
     for row in results["rows"]:
         assert row["induction_head"][0] == 1 and row["previous_token_head"][0] == 0
         assert 0 < row["k_composition"][1] < 1 and len(row["curves"]["k_composition"]) == 4
+        assert len(row["curves"]["patch_induction_head"]) == 4 and np.isfinite(row["patch_induction_head"])
+    assert set(results["patch_induction_minus_previous"]) >= {"mean", "low", "high"}
     render("induction_composition", results, tmp_path)
 
 

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from browser import (
     assert_shows,
+    check_circuits,
+    check_composition,
     check_diagnostics_sort,
     check_hover,
     check_no_external_references,
@@ -23,6 +25,7 @@ from browser import (
     check_row_selects_head,
     check_screenshot,
     check_slider,
+    check_spectra,
     hover_query,
     key_weights,
     launch_browser,
@@ -30,6 +33,7 @@ from browser import (
     open_page,
     select,
     set_checkpoint,
+    spectrum_rows,
 )
 
 from qkv_jax.report.explorer import (
@@ -50,6 +54,45 @@ def causal_attention(rng, num_layers, num_heads, num_queries, num_keys, sharpnes
     scores = np.where(visible, scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def synthetic_circuits(rng, num_checkpoints, num_layers, num_heads, ranks=(4, 3)):
+    """The circuits view's data: descending singular values (one of them zero, which the log plot
+    leaves out), effective ranks in [1, k], composition scores zero unless the first layer comes
+    first (none for one layer), and a patching heat map with a share that is not a number."""
+    heads = (num_checkpoints, num_layers, num_heads)
+
+    def spectrum(label, k):
+        values = -np.sort(-rng.uniform(0.01, 3.0, (*heads, k)), axis=-1)  # (C, L, N, k), descending
+        values[0, 0, 0, -1] = 0.0
+        return {"label": label, "values": values, "effective_rank": rng.uniform(1.0, k, heads)}
+
+    layers = np.arange(num_layers)
+    earlier = layers[:, None, None, None] < layers[None, None, :, None]  # (L, 1, L, 1)
+    restored = rng.normal(0.2, 0.6, (num_layers, num_heads)).tolist()
+    restored[0][0] = None
+    return {
+        "notes": ["synthetic circuits"],
+        "qk": spectrum("W_QK = W_Q W_K^T", ranks[0]),
+        "ov": spectrum("W_OV = W_V W_O", ranks[1]),
+        "composition": {
+            mode: np.where(earlier, rng.uniform(0, 1, (num_checkpoints, *heads[1:], *heads[1:])), 0.0)
+            for mode in "QKV"
+        }
+        if num_layers > 1
+        else None,
+        "patching": {
+            "step": 200,
+            "clean": list("ab a"),
+            "corrupted": list("ab c"),
+            "answer": "b",
+            "contrast": " ",
+            "clean_difference": 2.5,
+            "corrupted_difference": -0.75,
+            "restored": restored,
+        },
+        "patching_note": "synthetic patching",
+    }
 
 
 def synthetic_run_data(
@@ -102,6 +145,7 @@ def synthetic_run_data(
         "checkpoints": checkpoints,
         "diagnostics": {"columns": columns, "rows": rows},
         "notes": ["synthetic data for the explorer tests"],
+        "circuits": synthetic_circuits(rng, len(steps), len(layers), num_heads),
     }
 
 
@@ -208,6 +252,35 @@ def _bad(path, value):
         (
             _bad(["diagnostics", "labels"], {"window": "full"}),
             "data['diagnostics']['labels']: expected {column: str} over the columns",
+        ),
+        (_bad(["circuits", "notes"], KeyError), "data['circuits']: expected a dict with keys"),
+        (
+            _bad(["circuits", "qk", "values"], lambda v: v[:2]),
+            "data['circuits']['qk']['values']: shape (2, 2, 3, 4), expected (3, 2, 3, None)",
+        ),
+        (
+            _bad(["circuits", "ov", "values"], lambda v: -v),
+            "data['circuits']['ov']['values']: values must be finite and in [0.0, inf]",
+        ),
+        (
+            _bad(["circuits", "qk", "effective_rank"], lambda v: v + 4),
+            "data['circuits']['qk']['effective_rank']: values must be finite and in [1.0, 4]",
+        ),
+        (
+            _bad(["circuits", "composition", "K"], lambda v: v * 3),
+            "data['circuits']['composition']['K']: values must be finite and in [0.0, 1.0]",
+        ),
+        (
+            _bad(["circuits", "patching", "corrupted"], list("abc")),
+            "data['circuits']['patching']: 4 clean tokens but 3 corrupted ones",
+        ),
+        (
+            _bad(["circuits", "patching", "restored"], [[0.5, 0.1, 0.2]]),
+            "data['circuits']['patching']['restored']: expected [num_layers][num_heads] = [2, 3]",
+        ),
+        (
+            _bad(["circuits", "patching", "clean_difference"], float("nan")),
+            "data['circuits']['patching']['clean_difference']: expected a finite number, got nan",
         ),
     ],
 )
@@ -377,6 +450,49 @@ def test_checks_fail_on_wrong_numbers(browser, run_page, run_data, tmp_path):
     (tmp_path / "linked.html").write_text('<a href="https://example.com">x</a>')
     with pytest.raises(AssertionError, match="https://"):
         check_no_external_references(tmp_path / "linked.html")
+
+
+def test_circuits_view_shows_the_data(browser, run_page, run_data):
+    """Spectra and effective ranks of one head and of every head, at two checkpoints; each
+    composition mode; the patching heat map with its missing share."""
+    with open_page(browser, run_page) as page:
+        check_circuits(page, run_data)
+        check_spectra(page, run_data, 1, 0, 2)
+        check_spectra(page, run_data, 0, 0, 0)  # holds the zero singular value: no dot for it
+        row = page.locator('#spectrum-table tbody tr[data-matrix="qk"] .singular-value').last
+        assert row.get_attribute("data-value") == "0" and row.text_content() == "0"
+        page.locator('#patching-table td[data-layer="1"][data-head="2"]').click()
+        assert page.locator("#layer-select").input_value() == "1"
+        assert page.locator("#head-select").input_value() == "2"
+        assert page.locator('#patching-table td[data-layer="0"][data-head="0"]').inner_text() == ""
+
+
+def test_circuits_view_of_a_model_it_covers_in_part(browser, tmp_path):
+    """One layer without W_OV's spectrum or composition, and no patching: the view shows what
+    applies and the notes, and says how to get a heat map."""
+    data = synthetic_run_data(seed=5, layers=("attention",), num_heads=2, steps=(0, 50))
+    data["circuits"].update(ov=None, composition=None, patching=None, patching_note="run it with --clean")
+    data["circuits"]["notes"] = ["one attention layer: no composition"]
+    with open_page(browser, write_run_page(tmp_path / "report.html", data)) as page:
+        check_circuits(page, data)
+        assert page.locator("#composition").is_hidden() and page.locator("#patching-table").is_hidden()
+        assert list(spectrum_rows(page)) == [("qk", 1)]
+    del data["circuits"]
+    with open_page(browser, write_run_page(tmp_path / "report.html", data)) as page:
+        assert page.locator("#circuits").is_hidden()
+
+
+def test_circuit_checks_fail_on_wrong_numbers(browser, run_page, run_data):
+    """The same shapes with the checkpoints' spectra and the composition modes swapped must fail."""
+    wrong = copy.deepcopy(run_data)
+    wrong["circuits"]["qk"]["values"] = wrong["circuits"]["qk"]["values"][::-1]
+    composition = wrong["circuits"]["composition"]
+    composition["K"], composition["Q"] = composition["Q"], composition["K"]
+    with open_page(browser, run_page) as page:
+        with pytest.raises(AssertionError):
+            check_spectra(page, wrong, 0, 1, 1)
+        with pytest.raises(AssertionError):
+            check_composition(page, wrong, 2, "K")
 
 
 def test_sweep_page_sorts_and_links(browser, tmp_path):

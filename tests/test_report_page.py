@@ -8,11 +8,16 @@ data against attention weights recomputed here from the run's checkpoints.
 import html
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from browser import check_no_external_references, check_page, launch_browser, missing_reason, open_page
+from launch import ROOT, launcher_env
 
 from configs import char_lm as char_lm_config
 from configs import flag_retrieval
@@ -21,6 +26,7 @@ from qkv_jax.studies.results import report_sweep
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.flag_retrieval import attention_weights, flag_retrieval_batch
 from qkv_jax.training import build_setup, read_params, train_and_evaluate
+from qkv_jax.training.loop import seed_keys
 
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))
 
@@ -86,7 +92,71 @@ def test_flag_page_shows_the_runs_attention(flag_run, browser):
             assert example["marks"] == [int(batch["flag_positions"][0, 0])]
     final = np.asarray(data["checkpoints"][-1]["attention"][0])[0, 0, 0]
     assert int(np.argmax(final)) in data["examples"][0]["marks"]  # the trained head finds the flag
+    # The learned query's one head: W_QK = W_query W_key^T and its value map W_value (no W_O).
+    circuits = data["circuits"]
+    assert circuits["composition"] is None and circuits["patching"] is None
+    assert "needs a language model" in circuits["patching_note"]
+    for c, checkpoint in enumerate(data["checkpoints"][1:], start=1):
+        attention = checkpoint_params(workdir, config, checkpoint["step"])["attention"]
+        W_Q, W_K, W_V = (
+            np.asarray(attention[n]["kernel"], np.float64) for n in ("W_query", "W_key", "W_value")
+        )
+        for name, matrix in (("qk", W_Q @ W_K.T), ("ov", W_V)):
+            shown = {key: np.asarray(circuits[name][key][c])[0, 0] for key in ("values", "effective_rank")}
+            rank = min(W_Q.shape) if name == "qk" else min(W_V.shape)
+            assert_spectrum(shown, np.linalg.svd(matrix, compute_uv=False)[:rank], f"{name} at step {c}")
     check_page(browser, workdir / "report.html", data)
+
+
+def effective_rank(values):
+    """exp(entropy) of singular values `[..., k]` normalised to sum 1, in float64."""
+    p = values / values.sum(axis=-1, keepdims=True)
+    return np.exp(-np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1))
+
+
+def assert_spectrum(shown, values, what):
+    """A page's singular values (and effective ranks) against float64 ones, within float32 rounding
+    of the largest."""
+    values = np.asarray(values, np.float64)
+    np.testing.assert_allclose(shown["values"], values, rtol=1e-5, atol=1e-5 * values.max(), err_msg=what)
+    np.testing.assert_allclose(shown["effective_rank"], effective_rank(values), rtol=1e-5, err_msg=what)
+
+
+def lm_reference(params):
+    """Every head's W_QK and W_OV `[L, N, D, D]` of a TransformerLM in float64, each block's
+    attention LayerNorm folded in: kernels scaled by its scale and centred over D."""
+    qk, ov = [], []
+    for layer in range(sum(name.startswith("block_") for name in params)):
+        block = params[f"block_{layer}"]
+        scale = np.asarray(block["attention_norm"]["scale"], np.float64)[:, None, None]  # (D, 1, 1)
+        W_Q, W_K, W_V = (
+            scale * np.asarray(block["attention"][name]["kernel"], np.float64)
+            for name in ("query", "key", "value")
+        )  # (D, N, H) each
+        W_Q, W_K, W_V = (W - W.mean(axis=0) for W in (W_Q, W_K, W_V))
+        W_O = np.asarray(block["attention"]["out"]["kernel"], np.float64)  # (N, Hv, D)
+        qk.append(np.einsum("dnh,enh->nde", W_Q, W_K))  # (N, D, D)
+        ov.append(np.einsum("dnv,nve->nde", W_V, W_O))  # (N, D, D)
+    return np.stack(qk), np.stack(ov)
+
+
+def check_lm_circuits(circuits, frames):
+    """The page's spectra and composition scores against float64 NumPy, checkpoint by checkpoint."""
+    for c, params in enumerate(frames):
+        qk, ov = lm_reference(params)  # (L, N, D, D) each
+        head_dim = params["block_0"]["attention"]["query"]["kernel"].shape[-1]
+        for name, matrices in (("qk", qk), ("ov", ov)):
+            shown = {key: np.asarray(circuits[name][key][c]) for key in ("values", "effective_rank")}
+            assert_spectrum(
+                shown, np.linalg.svd(matrices, compute_uv=False)[..., :head_dim], f"{name} at {c}"
+            )
+        norm = lambda m: np.sqrt(np.sum(np.square(m), axis=(-2, -1)))
+        for mode, read in (("Q", qk), ("K", np.swapaxes(qk, -1, -2)), ("V", ov)):
+            product = np.einsum("lnde,mkef->lnmkdf", ov, read)  # (L, N, L, N, D, D)
+            scores = norm(product) / (norm(ov)[:, :, None, None] * norm(read)[None, None])  # (L, N, L, N)
+            layers = np.arange(qk.shape[0])
+            scores = np.where(layers[:, None, None, None] < layers[None, None, :, None], scores, 0.0)
+            np.testing.assert_allclose(circuits["composition"][mode][c], scores, rtol=1e-5, atol=1e-7)
 
 
 def checkpoint_params(workdir, config, step):
@@ -112,6 +182,9 @@ def test_lm_page_shows_the_prompt_and_validation_text(lm_run, browser):
         for layer in range(2)
     ]
     np.testing.assert_allclose(shown, induction, rtol=1e-6)
+    untrained = jax.jit(build_setup(data["config"]).init)(seed_keys(data["config"]["seed"])["init"])
+    frames = [untrained] + [checkpoint_params(workdir, None, c["step"]) for c in data["checkpoints"][1:]]
+    check_lm_circuits(data["circuits"], frames)
     # Every row of every map is a causal attention distribution.
     for checkpoint in data["checkpoints"]:
         for weights in checkpoint["attention"]:
@@ -181,3 +254,81 @@ def test_sweep_results_page_links_each_cell_to_its_page(tmp_path, browser):
         ) as cell_page:  # no errors, no requests
             assert "model.d_k" in cell_page.content()
     check_no_external_references(tmp_path / "results.html")
+
+
+def report_command(workdir, *flags):
+    """`python -m experiments.report --workdir <workdir> <flags>` from the repository root."""
+    command = [sys.executable, "-m", "experiments.report", f"--workdir={workdir}", *flags]
+    return subprocess.run(command, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_patching_heat_map_from_the_command_line_is_each_heads_patched_run(lm_run, tmp_path):
+    """--clean/--corrupted on a char LM run: the page's shares are (patched - corrupted) /
+    (clean - corrupted) of logit(answer) - logit(contrast) at the last position, recomputed here
+    with one run_with_hooks per head; bad prompts end in one line and exit 2."""
+    from qkv_jax.interpretability import replace, run_with_cache, run_with_hooks
+    from qkv_jax.text import CharTokenizer
+
+    workdir = shutil.copytree(lm_run[0], tmp_path / "run")  # the page is rewritten: a copy
+    config = json.loads((workdir / "config.json").read_text())
+    model = build_setup(config).model
+    params = read_params(workdir).tree
+    tokenizer = CharTokenizer.load(workdir / "tokenizer.json")
+    # A corruption of the last character that changes the most likely next token (the heat map
+    # needs one; which one does depends on this tiny model's training).
+    clean = "def add_7(x):\n    return x + 7"
+    predict = lambda text: int(
+        np.argmax(model.apply({"params": params}, tokenizer.encode(text)[None])[0, -1])
+    )
+    corrupted = next(clean[:-1] + c for c in " (:x\n=+r" if predict(clean[:-1] + c) != predict(clean))
+    result = report_command(workdir, f"--clean={clean}", f"--corrupted={corrupted}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "warning" not in result.stderr.lower(), result.stderr
+    page = (workdir / "report.html").read_text()
+    data = json.loads(
+        re.search(r'<script type="application/json" id="run-data">(.*?)</script>', page, re.S)[1]
+    )
+    patching = data["circuits"]["patching"]
+    tokens = [np.asarray(tokenizer.encode(text))[None] for text in (clean, corrupted)]
+    answer, contrast = (tokenizer.chars.index(patching[key]) for key in ("answer", "contrast"))
+    difference = lambda logits: float(logits[0, -1, answer] - logits[0, -1, contrast])
+    variables = {"params": params}
+    high, low = (difference(model.apply(variables, t)) for t in tokens)
+    np.testing.assert_allclose(
+        [patching["clean_difference"], patching["corrupted_difference"]], [high, low], rtol=1e-5
+    )
+    _, cache = run_with_cache(model, variables, tokens[0])
+    want = [
+        [
+            (
+                difference(
+                    run_with_hooks(
+                        model,
+                        variables,
+                        tokens[1],
+                        hooks={
+                            f"blocks.{layer}.attn.hook_z": replace(
+                                cache[f"blocks.{layer}.attn.hook_z"], heads=head
+                            )
+                        },
+                    )
+                )
+                - low
+            )
+            / (high - low)
+            for head in range(2)
+        ]
+        for layer in range(2)
+    ]
+    np.testing.assert_allclose(patching["restored"], want, rtol=1e-4, atol=1e-4)
+    for flags, message in [
+        ([f"--clean={clean}"], "--clean needs the other of --clean and --corrupted"),
+        ([f"--clean={clean}", "--corrupted=def"], "--corrupted='def': 3 tokens, but --clean has"),
+        ([f"--clean={clean}", "--corrupted=\u00e9"], "are not in the run's vocabulary"),
+        ([f"--clean={clean}", f"--corrupted={clean}"], "both make token"),
+    ]:
+        result = report_command(workdir, *flags)
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr

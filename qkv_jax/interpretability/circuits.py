@@ -44,7 +44,7 @@ precision.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -63,6 +63,7 @@ __all__ = [
     "num_layers",
     "qk_matrices",
     "ov_matrices",
+    "per_matrix",
     "singular_values",
     "qk_singular_values",
     "ov_singular_values",
@@ -226,10 +227,30 @@ def ov_matrices(weights: HeadWeights) -> Array:
     return jnp.einsum("lndv,lnve->lnde", weights.W_V, weights.W_O, precision=HIGHEST)  # (L, N, D, D)
 
 
+def per_matrix(fn: Callable[[Array], Any], a: Array) -> Any:
+    """`fn` (one LAPACK decomposition of one matrix `[m, n]`) over the leading dims of `a`
+    `[..., m, n]`, one matrix per call (`jax.lax.map`).
+
+    Why not one batched call: jaxlib's CPU LAPACK kernels split a large batch over
+    XLA:CPU's intra-op thread pool and block until its pieces are done. Two such
+    calls running at once in one program (the QK and the OV spectra, say) can
+    each hold one of a 2-core machine's two workers while waiting for the
+    other's pieces, and the program never finishes (seen: the explorer page's
+    circuits of a char LM hung in `gesdd`). A single matrix per call runs
+    inline on the worker. The matrices here are small (head depth at most the
+    model width), so the loop costs little; under `jax.vmap` each call takes
+    the mapped axis as its batch.
+    """
+    batch = a.shape[:-2]
+    flat = a.reshape(-1, *a.shape[-2:])  # (prod(batch), m, n)
+    out = lax.map(fn, flat)
+    return jax.tree.map(lambda x: x.reshape(*batch, *x.shape[1:]), out)
+
+
 def _triangle(a: Array) -> Array:
     """R `[..., k, k]` of the reduced QR of `a` `[..., m, k]` (m >= k): a = Q R with Q's columns
     orthonormal, so ||a M||_F = ||R M||_F and a M has a's singular structure in R."""
-    return jnp.linalg.qr(a, mode="r")  # (..., k, k)
+    return per_matrix(lambda m: jnp.linalg.qr(m, mode="r"), a)  # (..., k, k)
 
 
 def singular_values(a: Array, b: Array) -> Array:
@@ -242,7 +263,7 @@ def singular_values(a: Array, b: Array) -> Array:
     core = jnp.einsum(
         "...ij,...kj->...ik", _triangle(a), _triangle(jnp.swapaxes(b, -1, -2)), precision=HIGHEST
     )  # (..., k, k)
-    return jnp.linalg.svd(core, compute_uv=False)  # (..., k)
+    return per_matrix(lambda m: jnp.linalg.svd(m, compute_uv=False), core)  # (..., k)
 
 
 def qk_singular_values(weights: HeadWeights) -> Array:
@@ -342,5 +363,5 @@ def copying_scores(weights: HeadWeights, embedding: Array, unembedding: Array) -
     read = jnp.einsum("vd,lndh->lnvh", embedding, weights.W_V, precision=HIGHEST)  # (L, N, V, Hv)
     written = jnp.einsum("lnhd,dv->lnhv", weights.W_O, unembedding, precision=HIGHEST)  # (L, N, Hv, V)
     small = jnp.einsum("lnhv,lnvg->lnhg", written, read, precision=HIGHEST)  # (L, N, Hv, Hv)
-    eigenvalues = jnp.linalg.eigvals(small)  # (L, N, Hv), complex
+    eigenvalues = per_matrix(jnp.linalg.eigvals, small)  # (L, N, Hv), complex
     return jnp.sum(eigenvalues.real, axis=-1) / jnp.sum(jnp.abs(eigenvalues), axis=-1)

@@ -31,6 +31,23 @@ ValueError naming the bad key):
                                         column (e.g. "full" for a global layer's window);
                                         elsewhere None shows empty. None sorts last.
     notes: [str]                        shown at the top, e.g. "6 of 11 checkpoints shown"
+    circuits: {                         optional (`qkv_jax.report.circuits.circuit_data`); C is
+                                        len(checkpoints), L len(layers), N num_heads
+        "notes": [str],                 what the view covers for this model, what it leaves out
+        "qk": {"label": str,            e.g. "W_QK = W_Q W_K^T"; or None: not defined
+               "values": [C][L][N][k],  singular values, finite, >= 0 (k the same for all)
+               "effective_rank": [C][L][N]} in [1, k]
+        "ov": the same for W_OV (its own k), or None
+        "composition": {"Q" | "K" | "V": [C][L][N][L][N] in [0, 1]} or None
+        "patching": {"step": int,       the checkpoint patched (the newest)
+                     "clean": [str], "corrupted": [str],  token labels, the same length
+                     "answer": str, "contrast": str,       the two tokens compared
+                     "clean_difference": float, "corrupted_difference": float,
+                                        logit(answer) - logit(contrast) at the last position
+                     "restored": [L][N] float | None}     the share of that difference each
+                                        head's clean output restores in the corrupted run
+                    or None, and then
+        "patching_note": str}           says why there is no heat map, or how to get one
 
 Attention weights travel quantised to uint8 (`round(weight * 255)`), base64
 per checkpoint and example, so 3 examples of 64 tokens, 2 layers, 4 heads and
@@ -201,6 +218,85 @@ def _check_diagnostics(data: dict) -> None:
         )
 
 
+def _check_numbers(value: Any, where: str, shape: tuple[int | None, ...], low: float, high: float) -> None:
+    """`value` holds finite numbers in [low, high] (within _TOLERANCE) of `shape` (None: any size)."""
+    try:
+        array = np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a nested list of numbers of shape {shape}") from None
+    if array.ndim != len(shape) or any(n not in (None, m) for n, m in zip(shape, array.shape, strict=True)):
+        raise ValueError(f"{where}: shape {array.shape}, expected {shape}")
+    if not np.all(np.isfinite(array)) or array.min() < low - _TOLERANCE or array.max() > high + _TOLERANCE:
+        raise ValueError(f"{where}: values must be finite and in [{low}, {high}]")
+
+
+def _check_spectrum(spectrum: Any, where: str, heads: tuple[int, int, int]) -> None:
+    """A `qk` or `ov` entry: label, values [C][L][N][k] >= 0 and effective ranks in [1, k]."""
+    if not isinstance(spectrum, dict) or set(spectrum) != {"label", "values", "effective_rank"}:
+        raise ValueError(f"{where}: expected None or a dict with keys 'label', 'values', 'effective_rank'")
+    if not isinstance(spectrum["label"], str):
+        raise ValueError(f"{where}['label']: expected a str, got {spectrum['label']!r}")
+    _check_numbers(spectrum["values"], f"{where}['values']", (*heads, None), 0.0, math.inf)
+    rank = np.asarray(spectrum["values"]).shape[-1]
+    _check_numbers(spectrum["effective_rank"], f"{where}['effective_rank']", heads, 1.0, rank)
+
+
+def _check_patching(patching: Any, shape: tuple[int, int]) -> None:
+    where = "data['circuits']['patching']"
+    keys = ("step", "clean", "corrupted", "answer", "contrast", "clean_difference", "corrupted_difference")
+    if not isinstance(patching, dict) or set(patching) != {*keys, "restored"}:
+        raise ValueError(f"{where}: expected None or a dict with keys {[*keys, 'restored']}")
+    if not isinstance(patching["step"], (int, np.integer)):
+        raise ValueError(f"{where}['step']: expected an int, got {patching['step']!r}")
+    for key in ("clean", "corrupted"):
+        tokens = patching[key]
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ValueError(f"{where}[{key!r}]: expected a non-empty list of str")
+    if len(patching["clean"]) != len(patching["corrupted"]):
+        raise ValueError(
+            f"{where}: {len(patching['clean'])} clean tokens but {len(patching['corrupted'])} corrupted ones"
+        )
+    for key in ("answer", "contrast"):
+        if not isinstance(patching[key], str):
+            raise ValueError(f"{where}[{key!r}]: expected a str, got {patching[key]!r}")
+    for key in ("clean_difference", "corrupted_difference"):
+        if not _is_number(patching[key]) or not math.isfinite(patching[key]):
+            raise ValueError(f"{where}[{key!r}]: expected a finite number, got {patching[key]!r}")
+    try:  # None (a share that is not a number) travels as null and shows empty
+        restored = np.asarray([[math.nan if v is None else v for v in row] for row in patching["restored"]])
+        numeric = restored.astype(np.float64).shape == shape
+    except (TypeError, ValueError):
+        numeric = False
+    if not numeric:
+        raise ValueError(
+            f"{where}['restored']: expected [num_layers][num_heads] = {list(shape)} numbers or None"
+        )
+
+
+def _check_circuits(data: dict) -> None:
+    circuits = data["circuits"]
+    where = "data['circuits']"
+    keys = {"notes", "qk", "ov", "composition", "patching", "patching_note"}
+    if not isinstance(circuits, dict) or set(circuits) != keys:
+        raise ValueError(f"{where}: expected a dict with keys {sorted(keys)}")
+    if not isinstance(circuits["notes"], list) or not all(isinstance(n, str) for n in circuits["notes"]):
+        raise ValueError(f"{where}['notes']: expected a list of str")
+    if not isinstance(circuits["patching_note"], str):
+        raise ValueError(f"{where}['patching_note']: expected a str")
+    heads = (len(data["checkpoints"]), len(data["layers"]), data["num_heads"])
+    for name in ("qk", "ov"):
+        if circuits[name] is not None:
+            _check_spectrum(circuits[name], f"{where}[{name!r}]", heads)
+    composition = circuits["composition"]
+    if composition is not None:
+        if not isinstance(composition, dict) or set(composition) != {"Q", "K", "V"}:
+            raise ValueError(f"{where}['composition']: expected None or a dict with keys 'Q', 'K', 'V'")
+        for mode, scores in composition.items():
+            _check_numbers(scores, f"{where}['composition'][{mode!r}]", (*heads, *heads[1:]), 0.0, 1.0)
+    if circuits["patching"] is not None:
+        _check_patching(circuits["patching"], heads[1:])
+
+
 def validate_run_data(data: dict) -> None:
     """Raises ValueError, naming the key, when `data` does not follow the module docstring's schema."""
     if not isinstance(data, dict):
@@ -222,6 +318,8 @@ def validate_run_data(data: dict) -> None:
     _check_checkpoints(data)
     _check_curves(data["curves"])
     _check_diagnostics(data)
+    if "circuits" in data:
+        _check_circuits(data)
 
 
 def _plain(value: Any) -> Any:
@@ -240,6 +338,7 @@ def _plain(value: Any) -> Any:
 def _payload(data: dict) -> dict:
     """What the page's script reads: `data` with the attention encoded."""
     payload = {key: _plain(data[key]) for key in _RUN_KEYS if key != "checkpoints"}
+    payload["circuits"] = _plain(data["circuits"]) if "circuits" in data else None
     payload["levels"] = LEVELS
     payload["checkpoints"] = [
         {"step": int(c["step"]), "attention": [encode_attention(weights) for weights in c["attention"]]}

@@ -14,11 +14,14 @@ validation text) with every layer's and head's attention (`Setup.inspect`) at
 the untrained parameters and at each kept checkpoint (at most
 `MAX_CHECKPOINTS`: the first, the last and evenly spaced ones between; the page
 says so when it leaves any out), the head diagnostics of the newest, the loss
-curves and the config, in the schema `qkv_jax.report.explorer.write_run_page`
-renders. Checkpoints are read with `qkv_jax.training.read_params` (read-only,
-verified), so a run can be reported while it trains. A language model with
-sliding windows or sinks adds columns to the diagnostics table: each layer's
-window ("full" for a global layer) and each head's sink mass.
+curves, the config and the circuits view (`qkv_jax.report.circuits`: each head's
+W_QK and W_OV spectra at the same checkpoints, composition scores, and a patching
+heat map for a clean and a corrupted prompt), in the schema
+`qkv_jax.report.explorer.write_run_page` renders. Checkpoints are read with
+`qkv_jax.training.read_params` (read-only, verified), so a run can be reported
+while it trains. A language model with sliding windows or sinks adds columns to
+the diagnostics table: each layer's window ("full" for a global layer) and each
+head's sink mass.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 
 from qkv_jax.diagnostics import sink_mass
 from qkv_jax.lm import TransformerConfig, layer_windows
+from qkv_jax.report.circuits import circuit_data, patching_data
 from qkv_jax.report.explorer import write_run_page
 from qkv_jax.training.checkpoints import Checkpoints, NoCheckpointError, read_params
 from qkv_jax.training.loop import seed_keys
@@ -64,9 +68,13 @@ def load_run(workdir: str | pathlib.Path) -> tuple[dict, Setup, Any, int]:
     return config, setup, saved.tree, saved.step
 
 
-def report_run(workdir: str | pathlib.Path, prompt: str | None = None) -> dict:
+def report_run(
+    workdir: str | pathlib.Path, prompt: str | None = None, patching: tuple[str, str] | None = None
+) -> dict:
     """Pictures, head diagnostics and the explorer page of a run (`prompt`: one more input the
-    page shows, for tasks that read text); returns report.json's content."""
+    page shows, for tasks that read text; `patching`: (clean, corrupted) prompts for the page's
+    patching heat map, see `qkv_jax.report.circuits.patching_data`); returns report.json's
+    content."""
     from qkv_jax.plots import plot_head_ablation, plot_loss_curves
 
     workdir = pathlib.Path(workdir)
@@ -92,7 +100,9 @@ def report_run(workdir: str | pathlib.Path, prompt: str | None = None) -> dict:
     write_json(workdir / "report.json", report)
     if setup.inspect is not None and setup.explorer_inputs is not None:
         untrained = jax.jit(setup.init)(keys["init"])
-        report["page"] = write_explorer_page(workdir, config, setup, untrained, lambda p: p, metrics, prompt)
+        report["page"] = write_explorer_page(
+            workdir, config, setup, untrained, lambda p: p, metrics, prompt, patching
+        )
     return report
 
 
@@ -140,10 +150,12 @@ def write_explorer_page(
     params_of: Callable[[Any], Any],
     metrics: dict,
     prompt: str | None = None,
+    patching: tuple[str, str] | None = None,
 ) -> dict:
     """workdir/report.html for the `untrained` parameters and the checkpoints in
-    workdir/checkpoints (`params_of` picks what to show of each: the first seed's, say);
-    returns the page's data."""
+    workdir/checkpoints (`params_of` picks what to show of each: the first seed's, say), with a
+    patching heat map of the newest for `patching` = (clean, corrupted) prompts; returns the
+    page's data."""
     frames, saved = checkpoint_frames(workdir / "checkpoints", params_of)
     frames = [(0, untrained)] + [f for f in frames if f[0] != 0]
     notes = [f"the untrained parameters and {len(frames) - 1} of the {saved} checkpoints kept"]
@@ -153,7 +165,7 @@ def write_explorer_page(
             f"the run kept its newest {keep} checkpoints; train with "
             "--config.train.keep_checkpoints=0 to keep every one and follow the whole training here"
         )
-    data = run_page_data(config, setup, frames, metrics, workdir, prompt, notes)
+    data = run_page_data(config, setup, frames, metrics, workdir, prompt, notes, patching)
     write_run_page(workdir / "report.html", data)
     return data
 
@@ -213,10 +225,13 @@ def run_page_data(
     workdir: str | pathlib.Path,
     prompt: str | None = None,
     notes: Sequence[str] = (),
+    patching: tuple[str, str] | None = None,
 ) -> dict:
     """The explorer page's data (see `qkv_jax.report.explorer`) for `frames` [(step, params)]
-    (the untrained parameters first), the newest checkpoint's evaluation `metrics`, and the
-    curves of `workdir`'s metrics.jsonl (or a sweep cell's curves.jsonl)."""
+    (the untrained parameters first), the newest checkpoint's evaluation `metrics`, the
+    curves of `workdir`'s metrics.jsonl (or a sweep cell's curves.jsonl), and the circuits
+    view (`qkv_jax.report.circuits`), with a patching heat map of the newest checkpoint for
+    `patching` = (clean, corrupted) prompts."""
     if setup.inspect is None or setup.explorer_inputs is None:
         raise ValueError(f"task.module={config['task']['module']!r}: the task has no attention to explore")
     inputs = setup.explorer_inputs(setup.data, prompt)
@@ -245,6 +260,10 @@ def run_page_data(
         "checkpoints": checkpoints,
         "diagnostics": _diagnostics(jax.device_get(metrics), _variant_columns(setup, views)),
         "notes": list(notes),
+        "circuits": {
+            **circuit_data(setup.model, frames),
+            **patching_data(setup.model, frames[-1], workdir, patching),
+        },
     }
 
 

@@ -32,13 +32,15 @@ import numpy as np
 from jax import lax
 from jax.scipy.special import xlogy
 
+from qkv_jax.interpretability.capture import run_with_cache
 from qkv_jax.interpretability.circuits import (
     HeadWeights,
     composition_scores,
     effective_rank,
     head_weights,
-    qk_matrices,
+    qk_singular_values,
 )
+from qkv_jax.interpretability.patching import patching_sweep
 from qkv_jax.lm import TransformerLM
 from qkv_jax.models import FlagReader
 from qkv_jax.studies.grid import apply_overrides
@@ -73,6 +75,8 @@ HALF = 0.5  # a curve has risen once it has covered this share of its change ove
 VIEW_WINDOWS = 8  # held-out windows the attention patterns are compared on
 DISTINCT = 0.3  # nats: two heads' patterns are distinct when their mean JS divergence exceeds this
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4)  # the distinct-pattern count is reported at each of these too
+PATCH_SEQUENCES = 32  # clean/corrupted pairs the patching shares are measured on
+PATCH_NAMES = ("patch_induction_head", "patch_previous_token_head", "patch_other_heads")
 KV_VIEW_CELLS: list[
     dict[str, Any]
 ] = [  # of configs/char_lm.py:study's K/V sweep (8 query heads): MHA, GQA-2, MQA, MLA
@@ -123,7 +127,7 @@ def flag_reader_geometry(attention: Mapping[str, Any], scale: float) -> dict[str
     in_key_space = jnp.matmul(query, W_Q, precision=HIGHEST)  # (d_k,)
     read = jnp.matmul(W_K, in_key_space, precision=HIGHEST)  # (D,)
     W_QK = jnp.matmul(W_Q, W_K.T, precision=HIGHEST)  # (D, D)
-    left, values, right = jnp.linalg.svd(W_QK)  # (D, D), (D,), (D, D)
+    left, values, right = jnp.linalg.svd(W_QK)  # (D, D), (D,), (D, D): one matrix, one call
     values = values[: min(W_Q.shape)]  # (min(D, d_k),): the rest are zero
     norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x)))
     return {
@@ -207,17 +211,53 @@ def _lm_head_weights(model: TransformerLM, params: Any) -> HeadWeights:
     )
 
 
+def patching_pair(model: TransformerLM) -> tuple[jax.Array, jax.Array]:
+    """Fixed clean and corrupted token batches `[PATCH_SEQUENCES, 2 * length]`: clean is a random
+    segment then the same segment again (the copy is predictable by induction); corrupted has a
+    different first segment before the same copy (it is not)."""
+    config = model.config
+    length = config.max_len // 2
+    first, other, copy = (
+        jax.random.randint(key, (PATCH_SEQUENCES, length), 0, config.vocab_size)
+        for key in jax.random.split(jax.random.PRNGKey(20260004), 3)
+    )
+    return jnp.concatenate([first, copy], -1), jnp.concatenate([other, copy], -1)
+
+
+def head_patching(model: TransformerLM, params: Any, clean: jax.Array, corrupted: jax.Array) -> jax.Array:
+    """`[L, N]`: the share of the copy's correct-token logit (mean over the second segment's
+    predictions) that patching each head's clean output (hook_z, every position) into the
+    corrupted run restores, (patched - corrupted) / (clean - corrupted)."""
+    length = clean.shape[-1] // 2
+    targets = clean[:, length + 1 :]  # (B, length - 1): what each position of the copy predicts
+
+    def correct_logit(logits: jax.Array) -> jax.Array:
+        picked = jnp.take_along_axis(logits[:, length:-1], targets[..., None], axis=-1)  # (B, length - 1, 1)
+        return jnp.mean(picked)
+
+    variables = {"params": params}
+    clean_logits, cache = run_with_cache(
+        model, variables, clean, names_filter=lambda name: name.endswith("attn.hook_z")
+    )
+    corrupted_value = correct_logit(cast(jax.Array, model.apply(variables, corrupted)))
+    patched = patching_sweep(model, variables, corrupted, cache, correct_logit)  # (L, N)
+    return (patched - corrupted_value) / (correct_logit(clean_logits) - corrupted_value)
+
+
 def induction_composition_probe(setup: Setup) -> Any:
-    """probe(params) -> `induction_probe`'s scores (`[L, N]`) and the Q-, K- and V-composition
-    of every head pair (`Q_composition` ... `[L, N, L, N]`, LayerNorms folded in)."""
+    """probe(params) -> `induction_probe`'s scores (`[L, N]`), the Q-, K- and V-composition
+    of every head pair (`Q_composition` ... `[L, N, L, N]`, LayerNorms folded in) and each
+    head's `head_patching` share (`patch_restored` `[L, N]`)."""
     scores = induction_probe(setup)  # a ConfigError unless the task's model is a TransformerLM
     model = cast(TransformerLM, setup.model)
     modes: tuple[Literal["Q", "K", "V"], ...] = ("Q", "K", "V")
+    clean, corrupted = patching_pair(model)
 
     def probe(params: Any) -> dict:
         weights = _lm_head_weights(model, params)
         compositions = {f"{mode}_composition": composition_scores(weights, mode) for mode in modes}
-        return {**scores(params), **compositions}
+        restored = head_patching(model, params, clean, corrupted)
+        return {**scores(params), **compositions, "patch_restored": restored}
 
     return probe
 
@@ -275,7 +315,16 @@ def _composition_of_seed(steps: list[int], probes: dict[str, np.ndarray], seed: 
     others = np.delete(into["K"].reshape(len(steps), -1), p_layer * into["K"].shape[2] + p_head, axis=1)
     strongest = np.unravel_index(int(np.argmax(into["K"][-1])), into["K"].shape[1:])
     induction = probes["induction"][:, seed, layer, head]  # (steps,)
+    restored = probes["patch_restored"][:, seed]  # (steps, L, N)
     return {
+        "patch_induction_head": float(restored[-1, layer, head]),
+        "patch_previous_token_head": float(restored[-1, p_layer, p_head]),
+        "patch_other_heads": float(
+            np.delete(
+                restored[-1].reshape(-1),
+                [layer * restored.shape[2] + head, p_layer * restored.shape[2] + p_head],
+            ).mean()
+        ),
         "induction_head": [int(layer), int(head)],
         "previous_token_head": [int(p_layer), int(p_head)],
         "previous_token_score": float(previous[p_layer, p_head]),
@@ -294,7 +343,21 @@ def _composition_of_seed(steps: list[int], probes: dict[str, np.ndarray], seed: 
             "induction": induction.tolist(),
             "k_composition": pair.tolist(),
             "k_composition_other_heads": others.mean(axis=1).tolist(),  # mean over the other earlier heads
+            "patch_induction_head": restored[:, layer, head].tolist(),
+            "patch_previous_token_head": restored[:, p_layer, p_head].tolist(),
         },
+    }
+
+
+def _patching_summary(per_seed: list[dict]) -> dict:
+    """95% intervals of the share restored by each head of the circuit alone and by the other heads
+    (their mean), and the paired difference induction head minus previous-token head."""
+    shares = {name: [r[name] for r in per_seed] for name in PATCH_NAMES}
+    return {
+        **{name: mean_interval(values) for name, values in shares.items()},
+        "patch_induction_minus_previous": paired_difference(
+            shares["patch_induction_head"], shares["patch_previous_token_head"]
+        ),
     }
 
 
@@ -304,7 +367,14 @@ def induction_composition(base: dict, workdir: pathlib.Path, seeds: list[int]) -
     covered) and grew fastest (`steepest_at`), with 95% intervals and paired differences."""
     (row,) = run_sweep(base, workdir / "sweep", [{}], seeds, probe_for=induction_composition_probe)
     steps = row["probes"]["step"]
-    names = ("induction", "previous_token", "Q_composition", "K_composition", "V_composition")
+    names = (
+        "induction",
+        "previous_token",
+        "Q_composition",
+        "K_composition",
+        "V_composition",
+        "patch_restored",
+    )
     probes = {name: np.asarray(row["probes"][name]) for name in names}  # (steps, seeds, ...)
     per_seed = [
         {"seed": seed, **_composition_of_seed(steps, probes, i)} for i, seed in enumerate(row["seeds"])
@@ -326,6 +396,7 @@ def induction_composition(base: dict, workdir: pathlib.Path, seeds: list[int]) -
         "pair_minus_other_heads": paired_difference(
             [r["k_composition"][1] for r in per_seed], [r["k_composition_other_heads"] for r in per_seed]
         ),
+        **_patching_summary(per_seed),
         "accuracy": mean_interval(row["eval_accuracy"]),
         "train_steps": base["train"]["steps"],
         "half": HALF,
@@ -389,12 +460,7 @@ def kv_views_probe(setup: Setup) -> Any:
     def probe(params: Any) -> dict:
         layers = layer_attention(model, params, windows)  # [(B, N, T, T) per block]
         weights = _lm_head_weights(model, params)
-        # One LAPACK call (the SVD of each D x D W_QK), not qk_singular_values's two QRs: jaxlib's batched
-        # LAPACK kernels wait inside XLA:CPU's thread pool, and two of them at once can each wait forever
-        # for the other's threads (seen on 2 cores).
-        values = jnp.linalg.svd(qk_matrices(weights), compute_uv=False)[
-            ..., : weights.W_Q.shape[-1]
-        ]  # (L, N, H)
+        values = qk_singular_values(weights)  # (L, N, H)
         return {
             "qk_effective_rank": effective_rank(values),
             "pattern_divergence": jnp.stack([pattern_divergence(w) for w in layers]),  # (L, N, N)
@@ -603,7 +669,20 @@ def _induction_composition_table(results: dict) -> list[str]:
             f"| {label} | {t['seeds']} | {_interval(t['induction'], 4)} | {_interval(t['composition'], 4)} "
             f"| {_change(t['composition_minus_induction'])} |"
         )
-    return lines
+    if "patch_induction_head" not in results:
+        return lines
+    return lines + [
+        "",
+        "Share of the copy's correct-token logit restored by patching one head's clean output into the "
+        "corrupted run (1 = all of the clean run's advantage), after training, mean [95% CI] over seeds:",
+        "",
+        "| induction head alone | previous-token head alone | each other head (mean) "
+        "| induction minus previous-token head (paired) |",
+        "|---|---|---|---|",
+        "| "
+        + " | ".join(_interval(results[name]) for name in PATCH_NAMES)
+        + f" | {_change(results['patch_induction_minus_previous'])} |",
+    ]
 
 
 def _induction_composition_plot(results: dict, axes: Any) -> None:

@@ -130,14 +130,14 @@ class Checkpoints:
         self, directory: str | pathlib.Path, *, max_to_keep: int | None = None, read_only: bool = False
     ):
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            enable_async_checkpointing=False,
-            cleanup_tmp_directories=not read_only,
-            create=not read_only,
-            read_only=read_only,
-        )
-        with _without_read_only_notes():
+        with _without_read_only_notes():  # the options log them too, where they are made
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=False,
+                cleanup_tmp_directories=not read_only,
+                create=not read_only,
+                read_only=read_only,
+            )
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=("state", "record")
             )

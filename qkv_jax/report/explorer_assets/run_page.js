@@ -316,6 +316,7 @@ function setCheckpoint(index) {
     item.classList.toggle("current", Number(item.dataset.checkpoint) === index);
   }
   renderWeights();
+  renderCircuits();
 }
 
 function togglePlay() {
@@ -350,6 +351,234 @@ function renderStrip() {
     item.addEventListener("click", () => setCheckpoint(index));
     strip.appendChild(item);
   });
+}
+
+// ---- Circuits: spectra, composition, patching ----------------------------------------------
+
+const CIRCUITS = DATA.circuits; // null on a page without the circuits view
+const MATRIX_COLOURS = { qk: PALETTE[0], ov: PALETTE[1] };
+const NEGATIVE = "192, 57, 43"; // a share below zero in the patching heat map (r, g, b)
+
+function headLabel(layer, head) {
+  return `${DATA.layers[layer]} head ${head}`;
+}
+
+// A table cell showing `value` (4 significant digits) that carries the exact number in data-value.
+function numberCell(value) {
+  const cell = element("td", formatNumber(value));
+  cell.dataset.value = value === null ? "" : String(value);
+  return cell;
+}
+
+// The spectra shown: [{matrix, head, checkpoint, values}] for the selected head (or every head).
+function shownSpectra() {
+  const heads = state.head === ALL_HEADS ? [...Array(DATA.num_heads).keys()] : [state.head];
+  const spectra = [];
+  for (const matrix of ["qk", "ov"]) {
+    if (CIRCUITS[matrix] === null) continue;
+    for (const head of heads) {
+      const values = CIRCUITS[matrix].values[state.checkpoint][state.layer][head];
+      const rank = CIRCUITS[matrix].effective_rank[state.checkpoint][state.layer][head];
+      spectra.push({ matrix, head, values, rank });
+    }
+  }
+  return spectra;
+}
+
+function spectrumColour(spectrum) {
+  return state.head === ALL_HEADS ? PALETTE[spectrum.head % PALETTE.length] : MATRIX_COLOURS[spectrum.matrix];
+}
+
+// Singular value i (from 1) against i, log y: one polyline with a dot per value. With one head
+// selected, the untrained parameters' spectra are drawn dashed beside the current checkpoint's.
+function renderSpectrumPlot(spectra) {
+  const svg = byId("spectrum-plot");
+  svg.replaceChildren();
+  const legend = byId("spectrum-legend");
+  legend.replaceChildren();
+  const untrained = state.head !== ALL_HEADS && state.checkpoint !== 0
+    ? spectra.map((s) => ({ ...s, values: CIRCUITS[s.matrix].values[0][state.layer][s.head], untrained: true }))
+    : [];
+  const all = spectra.concat(untrained);
+  const positive = all.flatMap((s) => s.values).filter((v) => v > 0);
+  if (positive.length === 0) {
+    svg.appendChild(svgElement("text", { x: 20, y: 30 })).textContent = "every singular value is zero";
+    return;
+  }
+  const box = { left: 64, right: 464, top: 12, bottom: 220 };
+  const [x0, x1] = extent(all.map((s) => s.values.length).concat([1]));
+  const [y0, y1] = extent(positive.map(Math.log10));
+  const sx = (i) => box.left + ((i - x0) / (x1 - x0)) * (box.right - box.left);
+  const sy = (y) => box.bottom - ((y - y0) / (y1 - y0)) * (box.bottom - box.top);
+  const xTicks = niceTicks(x0, x1, Math.min(8, x1 - x0)).filter(Number.isInteger);
+  drawAxes(svg, box, xTicks.map((i) => [i, sx(i)]), logTicks(y0, y1).map((y) => [y, sy(y)]),
+    (y) => formatNumber(Math.pow(10, y)), "index (largest first)");
+  for (const spectrum of all) {
+    const kept = spectrum.values.map((v, i) => [i + 1, v]).filter(([, v]) => v > 0);
+    const colour = spectrumColour(spectrum);
+    const dashed = spectrum.untrained || (state.head === ALL_HEADS && spectrum.matrix === "ov");
+    const line = svgElement("polyline", {
+      points: kept.map(([i, v]) => `${sx(i).toFixed(1)},${sy(Math.log10(v)).toFixed(1)}`).join(" "),
+      fill: "none", stroke: colour, "stroke-width": spectrum.untrained ? 1 : 1.5,
+      "stroke-dasharray": dashed ? "4 3" : "none", "data-matrix": spectrum.matrix, "data-head": spectrum.head,
+    });
+    svg.appendChild(line);
+    if (spectrum.untrained) continue;
+    for (const [i, v] of kept) {
+      const dot = svgElement("circle", { cx: sx(i), cy: sy(Math.log10(v)), r: 2.5, fill: colour });
+      dot.appendChild(svgElement("title", {})).textContent = `${CIRCUITS[spectrum.matrix].label}: σ${i} = ${formatNumber(v)}`;
+      svg.appendChild(dot);
+    }
+  }
+  const entries = state.head === ALL_HEADS
+    ? [...Array(DATA.num_heads).keys()].map((h) => ["head " + h + " (W_QK solid, W_OV dashed)", PALETTE[h % PALETTE.length]])
+    : spectra.map((s) => [CIRCUITS[s.matrix].label, MATRIX_COLOURS[s.matrix]]);
+  if (untrained.length > 0) entries.push([`dashed: the untrained parameters (step ${DATA.checkpoints[0].step})`, "#999"]);
+  for (const [label, colour] of entries) legend.appendChild(legendEntry(label, colour));
+}
+
+// One row per (head, matrix): its effective rank, then its singular values.
+function renderSpectrumTable(spectra) {
+  const table = byId("spectrum-table");
+  const width = Math.max(...spectra.map((s) => s.values.length));
+  const header = element("tr");
+  for (const name of ["head", "matrix", "effective rank"]) header.appendChild(element("th", name));
+  for (let i = 1; i <= width; i++) header.appendChild(element("th", "σ" + i));
+  table.tHead.replaceChildren(header);
+  const body = table.tBodies[0];
+  body.replaceChildren();
+  for (const spectrum of spectra) {
+    const row = element("tr");
+    row.dataset.head = spectrum.head;
+    row.dataset.matrix = spectrum.matrix;
+    row.append(element("td", String(spectrum.head)), element("td", CIRCUITS[spectrum.matrix].label));
+    row.appendChild(numberCell(spectrum.rank)).classList.add("rank");
+    for (const value of spectrum.values) row.appendChild(numberCell(value)).classList.add("singular-value");
+    body.appendChild(row);
+  }
+}
+
+function renderSpectra() {
+  const spectra = shownSpectra();
+  byId("spectra").hidden = spectra.length === 0;
+  if (spectra.length === 0) return;
+  const shown = state.head === ALL_HEADS ? `${DATA.layers[state.layer]}, every head` : headLabel(state.layer, state.head);
+  byId("spectrum-title").textContent =
+    `Singular values, ${shown}, step ${DATA.checkpoints[state.checkpoint].step}`;
+  byId("effective-rank").textContent = state.head === ALL_HEADS ? "effective ranks: the table below" : spectra
+    .map((s) => `${CIRCUITS[s.matrix].label}: effective rank ${formatNumber(s.rank)} of ${s.values.length}`)
+    .join("; ");
+  renderSpectrumPlot(spectra);
+  renderSpectrumTable(spectra);
+}
+
+function compositionMode() {
+  return document.querySelector('input[name="composition-mode"]:checked').value;
+}
+
+// Rows: every head of the layers but the last; columns: every head of the layers but the first.
+// A cell shows the composition of its row's head into its column's head (empty unless the row's
+// layer comes first); shaded by the score over the largest score shown.
+function renderComposition() {
+  byId("composition").hidden = CIRCUITS.composition === null;
+  if (CIRCUITS.composition === null) return;
+  const mode = compositionMode();
+  const scores = CIRCUITS.composition[mode][state.checkpoint];
+  const heads = [...Array(DATA.num_heads).keys()];
+  const layers = DATA.layers.map((_, l) => l);
+  const pairs = (ls) => ls.flatMap((l) => heads.map((h) => [l, h]));
+  const sources = pairs(layers.slice(0, -1));
+  const targets = pairs(layers.slice(1));
+  let largest = 0;
+  for (const [l1, h1] of sources) for (const [l2, h2] of targets) if (l1 < l2) largest = Math.max(largest, scores[l1][h1][l2][h2]);
+  byId("composition-title").textContent =
+    `${mode}-composition scores, step ${DATA.checkpoints[state.checkpoint].step}`;
+  const table = byId("composition-table");
+  const header = element("tr");
+  header.appendChild(element("th", "from \\ into"));
+  for (const [l2, h2] of targets) header.appendChild(element("th", headLabel(l2, h2)));
+  table.tHead.replaceChildren(header);
+  const body = table.tBodies[0];
+  body.replaceChildren();
+  for (const [l1, h1] of sources) {
+    const row = element("tr");
+    row.appendChild(element("th", headLabel(l1, h1)));
+    for (const [l2, h2] of targets) {
+      const selected = (l, h) => l === state.layer && (state.head === ALL_HEADS || h === state.head);
+      if (l1 >= l2) {
+        row.appendChild(element("td", "", "na"));
+        continue;
+      }
+      const value = scores[l1][h1][l2][h2];
+      const cell = row.appendChild(numberCell(value));
+      Object.assign(cell.dataset, { sourceLayer: l1, sourceHead: h1, targetLayer: l2, targetHead: h2 });
+      cell.style.background = `rgba(${ACCENT}, ${largest > 0 ? value / largest : 0})`;
+      cell.style.color = largest > 0 && value / largest > 0.55 ? "#fff" : "";
+      cell.classList.toggle("selected", selected(l1, h1) || selected(l2, h2));
+      cell.title = `${headLabel(l1, h1)} into ${headLabel(l2, h2)}: ${mode}-composition ${formatNumber(value)}`;
+      cell.addEventListener("click", () => selectView({ layer: l2, head: h2 }));
+    }
+    body.appendChild(row);
+  }
+}
+
+// The patching heat map (layers down, heads across), or the note saying how to get one.
+function renderPatching() {
+  const patching = CIRCUITS.patching;
+  const text = byId("patching-text");
+  const table = byId("patching-table");
+  table.hidden = patching === null;
+  if (patching === null) {
+    text.textContent = CIRCUITS.patching_note;
+    return;
+  }
+  const quoted = (tokens) => '"' + tokens.map(visibleToken).join("") + '"';
+  text.textContent =
+    `Clean ${quoted(patching.clean)}, corrupted ${quoted(patching.corrupted)}, at step ${patching.step}. ` +
+    `The answer "${visibleToken(patching.answer)}" is the model's most likely next token after the clean prompt, ` +
+    `the contrast "${visibleToken(patching.contrast)}" after the corrupted one; logit(answer) - logit(contrast) ` +
+    `at the last position is ${formatNumber(patching.clean_difference)} on the clean prompt and ` +
+    `${formatNumber(patching.corrupted_difference)} on the corrupted one. Each cell: the share of that ` +
+    "difference restored when, in the corrupted run, that head's output (its z, before W_O, at every " +
+    "position) is replaced by its output on the clean prompt: (patched - corrupted) / (clean - corrupted); " +
+    "1 restores all of it, 0 none. Click a cell to select the head.";
+  const header = element("tr");
+  header.appendChild(element("th", "layer"));
+  for (let h = 0; h < DATA.num_heads; h++) header.appendChild(element("th", "head " + h));
+  table.tHead.replaceChildren(header);
+  const body = table.tBodies[0];
+  body.replaceChildren();
+  patching.restored.forEach((shares, layer) => {
+    const row = element("tr");
+    row.appendChild(element("th", DATA.layers[layer]));
+    shares.forEach((share, head) => {
+      const cell = row.appendChild(numberCell(share));
+      Object.assign(cell.dataset, { layer, head });
+      if (share !== null) {
+        cell.style.background = `rgba(${share < 0 ? NEGATIVE : ACCENT}, ${Math.min(1, Math.abs(share))})`;
+        cell.style.color = Math.abs(share) > 0.55 ? "#fff" : "";
+      }
+      cell.classList.toggle("selected", layer === state.layer && (state.head === ALL_HEADS || head === state.head));
+      cell.addEventListener("click", () => selectView({ layer, head }));
+    });
+    body.appendChild(row);
+  });
+}
+
+function renderCircuits() {
+  if (CIRCUITS === null) return;
+  renderSpectra();
+  renderComposition();
+  renderPatching();
+}
+
+function initCircuits() {
+  byId("circuits").hidden = CIRCUITS === null;
+  if (CIRCUITS === null) return;
+  for (const note of CIRCUITS.notes) byId("circuit-notes").appendChild(element("li", note));
+  for (const input of document.querySelectorAll('input[name="composition-mode"]')) {
+    input.addEventListener("change", renderComposition);
+  }
 }
 
 // ---- Selection: example, layer, head ------------------------------------------------------
@@ -446,6 +675,19 @@ function niceTicks(low, high, count) {
   return ticks;
 }
 
+// log10 of the values 1, 2 and 5 times a power of ten within [10^low, 10^high]; the powers of
+// ten alone when those are many.
+function logTicks(low, high) {
+  const ticks = [];
+  for (let power = Math.floor(low); power <= Math.ceil(high); power++) {
+    for (const m of [1, 2, 5]) {
+      const tick = power + Math.log10(m);
+      if (tick >= low - 1e-9 && tick <= high + 1e-9) ticks.push(tick);
+    }
+  }
+  return ticks.length > 8 ? ticks.filter(Number.isInteger) : ticks;
+}
+
 function extent(values) {
   let low = Math.min(...values);
   let high = Math.max(...values);
@@ -453,7 +695,7 @@ function extent(values) {
   return [low, high];
 }
 
-function drawAxes(svg, box, xTicks, yTicks, yLabel) {
+function drawAxes(svg, box, xTicks, yTicks, yLabel, xLabel = "step") {
   for (const [value, y] of yTicks) {
     svg.appendChild(svgElement("line", { x1: box.left, x2: box.right, y1: y, y2: y, class: "grid" }));
     svg.appendChild(svgElement("text", { x: box.left - 6, y: y + 4, "text-anchor": "end" })).textContent = yLabel(value);
@@ -465,7 +707,7 @@ function drawAxes(svg, box, xTicks, yTicks, yLabel) {
   svg.appendChild(svgElement("line", { x1: box.left, x2: box.right, y1: box.bottom, y2: box.bottom, class: "axis" }));
   svg.appendChild(svgElement("line", { x1: box.left, x2: box.left, y1: box.top, y2: box.bottom, class: "axis" }));
   svg.appendChild(svgElement("text", { x: (box.left + box.right) / 2, y: box.bottom + 32, "text-anchor": "middle" }))
-    .textContent = "step";
+    .textContent = xLabel;
 }
 
 // Every curve as a polyline; with log y, values <= 0 are left out. Missing values (null) too.
@@ -532,6 +774,7 @@ renderText();
 renderCurves();
 byId("log-y").addEventListener("change", renderCurves);
 initControls();
+initCircuits();
 renderDiagnostics();
 state.pinned = sizes(0).T - 1; // start on the last query: the one that predicts next
 renderTokens();
