@@ -196,7 +196,8 @@ def test_each_probe_refuses_the_wrong_task():
 
 def test_head_patching_is_one_patched_run_per_head_as_a_share_of_the_clean_advantage():
     """Entry (l, h) of head_patching is (patched - corrupted) / (clean - corrupted) of the mean
-    correct-token logit over the copy, with head h of layer l's clean hook_z in the corrupted run."""
+    correct-token log-probability over the copy, with head h of layer l's clean hook_z in the
+    corrupted run."""
     from qkv_jax.interpretability import replace, run_with_cache, run_with_hooks
     from qkv_jax.lm import TransformerConfig, TransformerLM
 
@@ -208,7 +209,8 @@ def test_head_patching_is_one_patched_run_per_head_as_a_share_of_the_clean_advan
     shares = head_patching(model, params, clean, corrupted)
 
     def correct(logits):
-        return np.mean(np.take_along_axis(np.asarray(logits)[:, 4:-1], np.asarray(clean)[:, 5:, None], -1))
+        log_probs = jax.nn.log_softmax(np.asarray(logits)[:, 4:-1], axis=-1)
+        return np.mean(np.take_along_axis(np.asarray(log_probs), np.asarray(clean)[:, 5:, None], -1))
 
     _, cache = run_with_cache(model, {"params": params}, clean)
     low, high = (

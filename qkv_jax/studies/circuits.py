@@ -225,23 +225,26 @@ def patching_pair(model: TransformerLM) -> tuple[jax.Array, jax.Array]:
 
 
 def head_patching(model: TransformerLM, params: Any, clean: jax.Array, corrupted: jax.Array) -> jax.Array:
-    """`[L, N]`: the share of the copy's correct-token logit (mean over the second segment's
-    predictions) that patching each head's clean output (hook_z, every position) into the
-    corrupted run restores, (patched - corrupted) / (clean - corrupted)."""
+    """`[L, N]`: the share of the copy's correct-token log-probability (mean over the second
+    segment's predictions) that patching each head's clean output (hook_z, every position)
+    into the corrupted run restores, (patched - corrupted) / (clean - corrupted). Log-probabilities,
+    not raw logits: a logit can rise for every token in the context at once (the corrupted run's
+    context holds the copy's tokens too), which left the raw-logit gap near zero in some seeds."""
     length = clean.shape[-1] // 2
     targets = clean[:, length + 1 :]  # (B, length - 1): what each position of the copy predicts
 
-    def correct_logit(logits: jax.Array) -> jax.Array:
-        picked = jnp.take_along_axis(logits[:, length:-1], targets[..., None], axis=-1)  # (B, length - 1, 1)
+    def correct_log_prob(logits: jax.Array) -> jax.Array:
+        log_probs = jax.nn.log_softmax(logits[:, length:-1], axis=-1)  # (B, length - 1, V)
+        picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)  # (B, length - 1, 1)
         return jnp.mean(picked)
 
     variables = {"params": params}
     clean_logits, cache = run_with_cache(
         model, variables, clean, names_filter=lambda name: name.endswith("attn.hook_z")
     )
-    corrupted_value = correct_logit(cast(jax.Array, model.apply(variables, corrupted)))
-    patched = patching_sweep(model, variables, corrupted, cache, correct_logit)  # (L, N)
-    return (patched - corrupted_value) / (correct_logit(clean_logits) - corrupted_value)
+    corrupted_value = correct_log_prob(cast(jax.Array, model.apply(variables, corrupted)))
+    patched = patching_sweep(model, variables, corrupted, cache, correct_log_prob)  # (L, N)
+    return (patched - corrupted_value) / (correct_log_prob(clean_logits) - corrupted_value)
 
 
 def induction_composition_probe(setup: Setup) -> Any:
@@ -673,8 +676,9 @@ def _induction_composition_table(results: dict) -> list[str]:
         return lines
     return lines + [
         "",
-        "Share of the copy's correct-token logit restored by patching one head's clean output into the "
-        "corrupted run (1 = all of the clean run's advantage), after training, mean [95% CI] over seeds:",
+        "Share of the copy's correct-token log-probability restored by patching one head's clean output "
+        "into the corrupted run (1 = all of the clean run's advantage), after training, mean [95% CI] "
+        "over seeds:",
         "",
         "| induction head alone | previous-token head alone | each other head (mean) "
         "| induction minus previous-token head (paired) |",
