@@ -8,6 +8,8 @@ r"""Run one study of learned attention; it writes its own results, table and plo
     --config configs/sequences.py:repeat --config.train.keep_checkpoints=0
   python -m experiments.study logit_scale --workdir runs/logit_scale --seeds 4 \
     --config configs/flag_retrieval.py:logit_scale --config.train.steps=300 --config.train.log_every=10
+  python -m experiments.study positions --workdir runs/positions --seeds 3 \
+    --config configs/sequences.py:repeat --config.task.length=64 --config.model.max_len=512
   python -m experiments.study lora_finetune --workdir runs/lora --pretrained runs/pretrain --seeds 3
   python -m experiments.study kv_conversion --workdir runs/conversion --pretrained runs/pretrain --seeds 3
   python -m experiments.study head_ablation --workdir runs/ablation --pretrained runs/pretrain --seeds 3
@@ -33,6 +35,10 @@ resumes: finished runs and sweep cells are read back, not retrained.
                  QK-norm without and with the scale, and a soft cap: steps until the
                  evaluation accuracy reaches 0.95, attention entropy and the gradient at
                  W_q at initialisation and through training, each paired against 1/sqrt(d_k).
+  positions      (a sequences.py:repeat config) RoPE, learned and no positions trained at
+                 2 * task.length tokens: when the strongest induction score passes 0.5, and
+                 loss and accuracy on the repeated half at that length and at 2x and 4x it
+                 (model.max_len must hold 4x), each paired against RoPE.
   lora_finetune  each seed's model (pre-trained once per seed in --pretrained, shared
                  by the three fine-tuning studies) fine-tuned onto the standard
                  library's docstrings: in full, and with LoRA adapters of rank 1-16.

@@ -1,4 +1,5 @@
-"""The logit_scale study: its config's refusals and cells, its arms, and the study end to end."""
+"""The variant studies: logit_scale (its config's refusals and cells, its arms) and positions, each
+end to end."""
 
 import math
 
@@ -6,11 +7,18 @@ import jax
 import numpy as np
 import pytest
 
-from configs import flag_retrieval
+from configs import flag_retrieval, sequences
 from qkv_jax.studies.catalogue import STUDIES
 from qkv_jax.studies.grid import apply_overrides
 from qkv_jax.studies.results import write_study_results
-from qkv_jax.studies.variants import REFERENCE, logit_scale, logit_scale_arm, logit_scale_probe
+from qkv_jax.studies.variants import (
+    POSITION_CELLS,
+    REFERENCE,
+    logit_scale,
+    logit_scale_arm,
+    logit_scale_probe,
+    positions,
+)
 from qkv_jax.training import ConfigError, build_setup
 from qkv_jax.training.setup import to_dict
 
@@ -117,3 +125,42 @@ def test_logit_scale_study_end_to_end(tmp_path):
     )
     assert any("| 16 | no scale |" in line for line in record["table"])
     assert (tmp_path / "logit_scale.png").exists()
+
+
+def tiny_repeat(max_len: int = 32) -> dict:
+    config = sequences.get_config("repeat")
+    config.model.update(num_layers=2, d_model=16, num_heads=2, max_len=max_len)
+    config.task.update(length=4, vocab_size=8)
+    config.train.update(steps=8, log_every=4, checkpoint_every=8, batch_size=8)
+    config.eval.num_examples = 16
+    return to_dict(config)
+
+
+def test_positions_study_refusals(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.max_len=16: .* up to 32 tokens"):
+        positions(tiny_repeat(max_len=16), tmp_path, [0])
+    copy = to_dict(sequences.get_config("copy"))
+    with pytest.raises(ConfigError, match="needs the repeat task"):
+        positions(copy, tmp_path, [0])
+    assert [cell["model.positions"] for cell in POSITION_CELLS] == ["rope", "learned", "none"]
+
+
+@pytest.mark.slow
+def test_positions_study_end_to_end(tmp_path):
+    results = positions(tiny_repeat(), tmp_path, [0, 1])
+    assert results["lengths"] == [8, 16, 32]
+    assert [r["arm"] for r in results["rows"]] == ["rope", "learned", "none"]
+    for row in results["rows"]:
+        assert row["steps"] == [0, 4, 8] and len(row["formed_at_step"]) == 2
+        for n in (8, 16, 32):
+            assert all(0 <= a <= 1 for a in row[f"accuracy_{n}"]) and all(x > 0 for x in row[f"loss_{n}"])
+        assert (row["minus_reference"] is None) == (row["arm"] == "rope")
+    learned = results["rows"][1]
+    difference = learned["minus_reference"]["loss_32"]
+    expected = np.subtract(learned["loss_32"], results["rows"][0]["loss_32"]).mean()
+    assert difference["mean"] == pytest.approx(expected)
+    record = write_study_results(
+        tmp_path, results, "python -m experiments.study positions", STUDIES["positions"]
+    )
+    assert any(line.startswith("| learned |") for line in record["table"])
+    assert (tmp_path / "positions.png").exists()

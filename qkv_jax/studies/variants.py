@@ -8,10 +8,16 @@
                                             and the gradient reaching W_q at initialisation and
                                             through training, each arm against 1/sqrt(d_k) on
                                             the same seeds (paired 95% intervals).
+  positions(base, workdir, seeds)           the repeat task's LM with RoPE, learned or no
+                                            positions, trained at one length: when the
+                                            strongest induction score passes FORMED, and the
+                                            loss and accuracy on the repeated half at the
+                                            trained length and at 2x and 4x it, against RoPE.
 
-It trains through the sweep launcher (`run_sweep`: seeds vmapped, cells resumable) with the
-thermostat study's probe (plus the evaluation accuracy) measured before training and after
-every compiled chunk. `STUDIES` holds its entry for the launcher (experiments/study.py).
+Both train through the sweep launcher (`run_sweep`: seeds vmapped, cells resumable) with a
+probe measured before training and after every compiled chunk (logit_scale: the thermostat
+study's, plus the evaluation accuracy). `STUDIES` holds their entries for the launcher
+(experiments/study.py).
 """
 
 from __future__ import annotations
@@ -21,17 +27,32 @@ import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from qkv_jax.diagnostics import induction_scores, repeated_sequence
+from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import apply_overrides, grid
-from qkv_jax.studies.mechanisms import thermostat_probe
+from qkv_jax.studies.mechanisms import FORMED, thermostat_probe
 from qkv_jax.studies.results import Study
 from qkv_jax.studies.stats import mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.tasks.sequences import answer_metrics, repeat_batch
+from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
 
-__all__ = ["CONVERGED", "REFERENCE", "logit_scale_arm", "logit_scale_probe", "logit_scale", "STUDIES"]
+__all__ = [
+    "CONVERGED",
+    "REFERENCE",
+    "POSITION_CELLS",
+    "logit_scale_arm",
+    "logit_scale_probe",
+    "logit_scale",
+    "positions_probe",
+    "positions",
+    "STUDIES",
+]
 
 CONVERGED = 0.95  # "converged": the evaluation accuracy (top-attended = flagged) first reaches this
 REFERENCE = "1/sqrt(d_k)"  # the arm every other one is compared with, at the same d_k
@@ -195,8 +216,8 @@ def _logit_scale_table(results: dict) -> list[str]:
     return lines
 
 
-def _change(stats: dict) -> str:
-    return _interval(stats, signed=True) + (" *" if stats["significant"] else "")
+def _change(stats: dict, digits: int = 3) -> str:
+    return _interval(stats, digits, signed=True) + (" *" if stats["significant"] else "")
 
 
 def _logit_scale_plot(results: dict, axes: Any) -> None:
@@ -232,11 +253,196 @@ def _logit_scale_plot(results: dict, axes: Any) -> None:
     axes[0].legend(fontsize=6)
 
 
+# --- positions: RoPE, learned, none; trained at one length, evaluated at longer ones ------------
+
+POSITION_CELLS = [{"model.positions": kind} for kind in ("rope", "learned", "none")]
+POSITION_REFERENCE = "rope"  # the arm every other one is compared with
+EVAL_SEQUENCES = 64  # repeat-task sequences (fixed) per evaluated length
+INDUCTION_SEQUENCES = 16  # repeated random sequences of the trained length for the induction score
+POSITION_KEY = 20260006
+
+
+def positions_probe(setup: Setup, lengths: tuple[int, ...]) -> Any:
+    """probe(params) -> the strongest head's induction score on repeated random sequences of the
+    trained length (`lengths[0]`, the task's 2 task.length) and, at each length in `lengths`, the loss
+    (nats) and accuracy on the repeat task's answers (the repeated half) of fixed sequences."""
+    model = setup.model
+    if not isinstance(model, TransformerLM):
+        raise ConfigError(
+            f"the positions study needs the repeat task's TransformerLM, got {type(model).__name__}"
+        )
+    vocab_size, trained = model.config.vocab_size, lengths[0]
+    keys = jax.random.split(jax.random.PRNGKey(POSITION_KEY), len(lengths) + 1)
+    induction_tokens = repeated_sequence(keys[0], INDUCTION_SEQUENCES, trained // 2, vocab_size)
+    batches = {
+        n: repeat_batch(k, EVAL_SEQUENCES, n // 2, vocab_size) for n, k in zip(lengths, keys[1:], strict=True)
+    }
+
+    def probe(params: Any) -> dict:
+        layers = layer_attention(model, params, induction_tokens)  # [(B, N, T, T) per block]
+        scores = jnp.stack([induction_scores(w, trained // 2) for w in layers])  # (L, N)
+        measured = {"induction": scores.max()}
+        for n, batch in batches.items():
+            metrics = answer_metrics(jnp.asarray(model.apply({"params": params}, batch["inputs"])), batch)
+            measured |= {f"loss_{n}": metrics["loss"], f"accuracy_{n}": metrics["accuracy"]}
+        return measured
+
+    return probe
+
+
+def _position_lengths(base: dict, lengths: tuple[int, ...] | None) -> tuple[int, ...]:
+    """(trained, then each longer length): the repeat task's 2 task.length first; ConfigError when
+    the task is not the repeat task or model.max_len cannot hold the longest."""
+    if base["task"].get("name") != "repeat":
+        raise ConfigError("the positions study needs the repeat task: --config configs/sequences.py:repeat")
+    trained = 2 * base["task"]["length"]
+    lengths = (trained, 2 * trained, 4 * trained) if lengths is None else (trained, *lengths)
+    if max(lengths) > base["model"]["max_len"]:
+        raise ConfigError(
+            f"model.max_len={base['model']['max_len']}: the positions study evaluates up to {max(lengths)} "
+            "tokens; learned positions need a table that long (its untrained rows are the point)"
+        )
+    return lengths
+
+
+def _position_measures(row: dict, lengths: tuple[int, ...], budget: int) -> dict:
+    """One arm's per-seed measures: the step its strongest induction score first exceeds FORMED
+    (never = the budget, a lower bound) and the final loss and accuracy at each length."""
+    probes = row["probes"]
+    steps, induction = probes["step"], np.asarray(probes["induction"])  # (probes, seeds)
+    formed = [
+        next((steps[t] for t in range(len(steps)) if induction[t, s] > FORMED), None)
+        for s in range(induction.shape[1])
+    ]
+    measures: dict[str, Any] = {
+        "arm": row["cell"]["model.positions"],
+        "seeds": row["seeds"],
+        "steps": steps,
+        "budget": budget,
+        "formed": [f is not None for f in formed],
+        "formed_at_step": [float(budget if f is None else f) for f in formed],
+        "final_induction": induction[-1].tolist(),
+        "induction_curve": induction.mean(axis=1).tolist(),
+    }
+    for n in lengths:
+        measures[f"loss_{n}"] = np.asarray(probes[f"loss_{n}"])[-1].tolist()
+        measures[f"accuracy_{n}"] = np.asarray(probes[f"accuracy_{n}"])[-1].tolist()
+        measures[f"accuracy_{n}_curve"] = np.asarray(probes[f"accuracy_{n}"]).mean(axis=1).tolist()
+    return measures
+
+
+def positions(
+    base: dict, workdir: pathlib.Path, seeds: list[int], lengths: tuple[int, ...] | None = None
+) -> dict:
+    """RoPE, learned and no positions (POSITION_CELLS) on the repeat task at its length, seeds
+    trained together; per arm the induction score's formation step and the answers' loss and
+    accuracy at the trained length and at `lengths` (default 2x and 4x), paired against RoPE."""
+    lengths = _position_lengths(base, lengths)
+    rows = run_sweep(
+        base,
+        workdir / "sweep",
+        POSITION_CELLS,
+        seeds,
+        metric="eval_accuracy",
+        probe_for=lambda setup: positions_probe(setup, lengths),
+    )
+    results = [_position_measures(r, lengths, base["train"]["steps"]) for r in rows if r["status"] == "done"]
+    names = ["formed_at_step", "final_induction"] + [
+        f"{m}_{n}" for n in lengths for m in ("loss", "accuracy")
+    ]
+    reference = next((r for r in results if r["arm"] == POSITION_REFERENCE), None)
+    for result in results:
+        result["intervals"] = {name: mean_interval(result[name]) for name in names}
+        result["minus_reference"] = (
+            None
+            if reference is None or result is reference
+            else {name: paired_difference(result[name], reference[name]) for name in names}
+        )
+    return {
+        "study": "positions",
+        "lengths": list(lengths),
+        "threshold": FORMED,
+        "reference": POSITION_REFERENCE,
+        "measures": names,
+        "rows": results,
+        "wall_time_s": sum(r.get("wall_time_s", 0.0) for r in rows),
+    }
+
+
+def _positions_table(results: dict) -> list[str]:
+    lengths = results["lengths"]
+    lines = [
+        f"Mean [95% CI] over seeds; trained at {lengths[0]} tokens. Formed: the strongest head's "
+        f"induction score first > {results['threshold']:g} (never = the budget, a lower bound). Loss "
+        "(nats) and accuracy on the repeated half's answers.",
+        "",
+        "| positions | seeds formed | formed at step | final induction score | "
+        + " | ".join(f"loss at {n} | accuracy at {n}" for n in lengths)
+        + " |",
+        "|---|---|---|---|" + "---|---|" * len(lengths),
+    ]
+    for r in results["rows"]:
+        cells = [_interval(r["intervals"][name], 4) for name in results["measures"]]
+        lines.append(f"| {r['arm']} | {sum(r['formed'])}/{len(r['formed'])} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Each arm minus {results['reference']}, paired over seeds (mean [95% CI]; * the interval "
+        "excludes 0):",
+        "",
+        "| positions | formed at step | final induction score | "
+        + " | ".join(f"loss at {n} | accuracy at {n}" for n in lengths)
+        + " |",
+        "|---|---|---|" + "---|---|" * len(lengths),
+    ]
+    for r in results["rows"]:
+        if r["minus_reference"] is not None:
+            cells = [_change(r["minus_reference"][name], 4) for name in results["measures"]]
+            lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _positions_plot(results: dict, axes: Any) -> None:
+    lengths = results["lengths"]
+    for i, r in enumerate(results["rows"]):
+        axes[0].plot(r["steps"], r["induction_curve"], color=f"C{i}", label=r["arm"])
+        means = [r["intervals"][f"accuracy_{n}"] for n in lengths]
+        axes[1].errorbar(
+            lengths,
+            [m["mean"] for m in means],
+            yerr=[
+                [m["mean"] - m["low"] if m["n"] > 1 else 0 for m in means],
+                [m["high"] - m["mean"] if m["n"] > 1 else 0 for m in means],
+            ],
+            marker="o",
+            capsize=2,
+            color=f"C{i}",
+            label=r["arm"],
+        )
+    axes[0].axhline(results["threshold"], color="gray", ls=":")
+    axes[0].set(
+        xlabel="step", ylabel="strongest induction score (mean over seeds)", title="induction forming"
+    )
+    axes[1].axvline(lengths[0], color="gray", ls=":")
+    axes[1].set(
+        xscale="log",
+        xlabel="evaluated length (tokens; dotted: trained)",
+        ylabel="accuracy on the repeated half (95% CI)",
+        title="length generalisation",
+    )
+    axes[0].legend(fontsize=7)
+
+
 STUDIES = {
     "logit_scale": Study(
         "Keeping the attention logits in range: 1/sqrt(d_k), QK-norm, a soft cap",
         lambda base, workdir, options: logit_scale(base, workdir, options["cells"], options["seeds"]),
         _logit_scale_table,
         _logit_scale_plot,
+    ),
+    "positions": Study(
+        "Positions: RoPE, learned and none, trained at one length and evaluated at longer ones",
+        lambda base, workdir, options: positions(base, workdir, options["seeds"]),
+        _positions_table,
+        _positions_plot,
     ),
 }
