@@ -7,7 +7,7 @@ with the command that regenerates them.
 
 from __future__ import annotations
 
-from qkv_jax.studies import circuits, finetuning, language_model, mechanisms, sinks, variants
+from qkv_jax.studies import circuits, finetuning, language_model, mechanisms, sinks, variants, windows
 from qkv_jax.studies.results import Study
 
 __all__ = ["STUDIES"]
@@ -19,4 +19,5 @@ STUDIES: dict[str, Study] = {
     **circuits.STUDIES,
     **variants.STUDIES,
     **sinks.STUDIES,
+    **windows.STUDIES,
 }
