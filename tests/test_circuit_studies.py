@@ -196,31 +196,32 @@ def test_each_probe_refuses_the_wrong_task():
 
 def test_head_patching_is_one_patched_run_per_head_as_a_share_of_the_clean_advantage():
     """Entry (l, h) of head_patching is (patched - corrupted) / (clean - corrupted) of the mean
-    correct-token log-probability over the copy, with head h of layer l's clean hook_z in the
-    corrupted run."""
+    log-probability of the repeat task's answers, with head h of layer l's clean hook_z in the
+    corrupted run; the corrupted inputs differ from the clean ones in the first half only."""
     from qkv_jax.interpretability import replace, run_with_cache, run_with_hooks
     from qkv_jax.lm import TransformerConfig, TransformerLM
 
     model = TransformerLM(TransformerConfig(vocab_size=8, num_layers=2, d_model=16, num_heads=2, max_len=8))
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    clean, corrupted = patching_pair(model)
-    assert clean.shape == corrupted.shape == (PATCH_SEQUENCES, 8)
+    pair = jax.device_get(patching_pair(model))
+    clean, corrupted, mask = pair["clean"], pair["corrupted"], pair["answer_mask"]
+    assert clean.shape == corrupted.shape == mask.shape == (PATCH_SEQUENCES, 8)
     np.testing.assert_array_equal(clean[:, 4:], corrupted[:, 4:])
-    shares = head_patching(model, params, clean, corrupted)
+    assert np.any(clean[:, :4] != corrupted[:, :4]) and not np.any(mask[:, :4]) and np.all(mask.sum(1) > 0)
+    shares = head_patching(model, params, pair)
 
-    def correct(logits):
-        log_probs = jax.nn.log_softmax(np.asarray(logits)[:, 4:-1], axis=-1)
-        return np.mean(np.take_along_axis(np.asarray(log_probs), np.asarray(clean)[:, 5:, None], -1))
+    def answers(logits):
+        log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        picked = np.take_along_axis(log_probs, pair["targets"][..., None], -1)[..., 0]
+        return picked[mask].mean()
 
-    _, cache = run_with_cache(model, {"params": params}, clean)
-    low, high = (
-        correct(model.apply({"params": params}, corrupted)),
-        correct(model.apply({"params": params}, clean)),
-    )
+    variables = {"params": params}
+    _, cache = run_with_cache(model, variables, clean)
+    low, high = answers(model.apply(variables, corrupted)), answers(model.apply(variables, clean))
     for layer, head in [(0, 1), (1, 0)]:
         name = f"blocks.{layer}.attn.hook_z"
         hooks = {name: replace(cache[name], heads=head)}
-        patched = correct(run_with_hooks(model, {"params": params}, corrupted, hooks=hooks))
+        patched = answers(run_with_hooks(model, variables, corrupted, hooks=hooks))
         np.testing.assert_allclose(shares[layer, head], (patched - low) / (high - low), rtol=1e-4, atol=1e-5)
 
 

@@ -49,6 +49,7 @@ from qkv_jax.studies.mechanisms import FORMED, induction_probe
 from qkv_jax.studies.results import Study
 from qkv_jax.studies.stats import mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.tasks.sequences import repeat_batch
 from qkv_jax.tasks.transformer import layer_attention, make_model
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
@@ -211,40 +212,45 @@ def _lm_head_weights(model: TransformerLM, params: Any) -> HeadWeights:
     )
 
 
-def patching_pair(model: TransformerLM) -> tuple[jax.Array, jax.Array]:
-    """Fixed clean and corrupted token batches `[PATCH_SEQUENCES, 2 * length]`: clean is a random
-    segment then the same segment again (the copy is predictable by induction); corrupted has a
-    different first segment before the same copy (it is not)."""
+def patching_pair(model: TransformerLM) -> dict[str, jax.Array]:
+    """Fixed clean and corrupted inputs `[PATCH_SEQUENCES, 2 * length]` of the repeat task
+    (`repeat_batch`, length = half the model's positions): clean as the task makes them, a
+    segment that appears in the first half and again in the second; corrupted with every
+    first-half token redrawn, so the copy in the second half is no longer predictable. With
+    the clean `targets` and the task's `answer_mask` (the copy's predictable tokens)."""
     config = model.config
     length = config.max_len // 2
-    first, other, copy = (
-        jax.random.randint(key, (PATCH_SEQUENCES, length), 0, config.vocab_size)
-        for key in jax.random.split(jax.random.PRNGKey(20260004), 3)
-    )
-    return jnp.concatenate([first, copy], -1), jnp.concatenate([other, copy], -1)
+    batch_key, corrupt_key = jax.random.split(jax.random.PRNGKey(20260004))
+    clean = repeat_batch(batch_key, PATCH_SEQUENCES, length, config.vocab_size)
+    redrawn = jax.random.randint(corrupt_key, clean["inputs"].shape, 0, config.vocab_size)  # (B, 2L)
+    first_half = jnp.arange(2 * length)[None, :] < length  # (1, 2L): the first copy lies in it
+    corrupted = jnp.where(first_half, redrawn, clean["inputs"])
+    return {
+        "clean": clean["inputs"],
+        "corrupted": corrupted,
+        **{k: clean[k] for k in ("targets", "answer_mask")},
+    }
 
 
-def head_patching(model: TransformerLM, params: Any, clean: jax.Array, corrupted: jax.Array) -> jax.Array:
-    """`[L, N]`: the share of the copy's correct-token log-probability (mean over the second
-    segment's predictions) that patching each head's clean output (hook_z, every position)
-    into the corrupted run restores, (patched - corrupted) / (clean - corrupted). Log-probabilities,
-    not raw logits: a logit can rise for every token in the context at once (the corrupted run's
-    context holds the copy's tokens too), which left the raw-logit gap near zero in some seeds."""
-    length = clean.shape[-1] // 2
-    targets = clean[:, length + 1 :]  # (B, length - 1): what each position of the copy predicts
+def head_patching(model: TransformerLM, params: Any, pair: dict[str, jax.Array]) -> jax.Array:
+    """`[L, N]`: the share of the answers' log-probability (mean over `pair`'s answer_mask) that
+    patching each head's clean output (hook_z, every position) into the corrupted run restores,
+    (patched - corrupted) / (clean - corrupted). Log-probabilities, not raw logits: a logit can
+    rise for every token in the context at once."""
+    mask = pair["answer_mask"].astype(jnp.float32)  # (B, T)
 
-    def correct_log_prob(logits: jax.Array) -> jax.Array:
-        log_probs = jax.nn.log_softmax(logits[:, length:-1], axis=-1)  # (B, length - 1, V)
-        picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)  # (B, length - 1, 1)
-        return jnp.mean(picked)
+    def answer_log_prob(logits: jax.Array) -> jax.Array:
+        log_probs = jax.nn.log_softmax(logits, axis=-1)  # (B, T, V)
+        picked = jnp.take_along_axis(log_probs, pair["targets"][..., None], axis=-1)[..., 0]  # (B, T)
+        return jnp.sum(picked * mask) / jnp.sum(mask)
 
     variables = {"params": params}
     clean_logits, cache = run_with_cache(
-        model, variables, clean, names_filter=lambda name: name.endswith("attn.hook_z")
+        model, variables, pair["clean"], names_filter=lambda name: name.endswith("attn.hook_z")
     )
-    corrupted_value = correct_log_prob(cast(jax.Array, model.apply(variables, corrupted)))
-    patched = patching_sweep(model, variables, corrupted, cache, correct_log_prob)  # (L, N)
-    return (patched - corrupted_value) / (correct_log_prob(clean_logits) - corrupted_value)
+    corrupted_value = answer_log_prob(cast(jax.Array, model.apply(variables, pair["corrupted"])))
+    patched = patching_sweep(model, variables, pair["corrupted"], cache, answer_log_prob)  # (L, N)
+    return (patched - corrupted_value) / (answer_log_prob(clean_logits) - corrupted_value)
 
 
 def induction_composition_probe(setup: Setup) -> Any:
@@ -254,12 +260,12 @@ def induction_composition_probe(setup: Setup) -> Any:
     scores = induction_probe(setup)  # a ConfigError unless the task's model is a TransformerLM
     model = cast(TransformerLM, setup.model)
     modes: tuple[Literal["Q", "K", "V"], ...] = ("Q", "K", "V")
-    clean, corrupted = patching_pair(model)
+    pair = patching_pair(model)
 
     def probe(params: Any) -> dict:
         weights = _lm_head_weights(model, params)
         compositions = {f"{mode}_composition": composition_scores(weights, mode) for mode in modes}
-        restored = head_patching(model, params, clean, corrupted)
+        restored = head_patching(model, params, pair)
         return {**scores(params), **compositions, "patch_restored": restored}
 
     return probe
@@ -676,7 +682,7 @@ def _induction_composition_table(results: dict) -> list[str]:
         return lines
     return lines + [
         "",
-        "Share of the copy's correct-token log-probability restored by patching one head's clean output "
+        "Share of the copy's answers' log-probability restored by patching one head's clean output "
         "into the corrupted run (1 = all of the clean run's advantage), after training, mean [95% CI] "
         "over seeds:",
         "",
