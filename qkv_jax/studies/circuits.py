@@ -77,7 +77,12 @@ VIEW_WINDOWS = 8  # held-out windows the attention patterns are compared on
 DISTINCT = 0.3  # nats: two heads' patterns are distinct when their mean JS divergence exceeds this
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4)  # the distinct-pattern count is reported at each of these too
 PATCH_SEQUENCES = 32  # clean/corrupted pairs the patching shares are measured on
-PATCH_NAMES = ("patch_induction_head", "patch_previous_token_head", "patch_other_heads")
+PATCH_NAMES = (
+    "patch_induction_head",
+    "patch_previous_token_head",
+    "patch_induction_layer_others",
+    "patch_other_heads",
+)
 KV_VIEW_CELLS: list[
     dict[str, Any]
 ] = [  # of configs/char_lm.py:study's K/V sweep (8 query heads): MHA, GQA-2, MQA, MLA
@@ -328,6 +333,7 @@ def _composition_of_seed(steps: list[int], probes: dict[str, np.ndarray], seed: 
     return {
         "patch_induction_head": float(restored[-1, layer, head]),
         "patch_previous_token_head": float(restored[-1, p_layer, p_head]),
+        "patch_induction_layer_others": float(np.delete(restored[-1, layer], head).mean()),
         "patch_other_heads": float(
             np.delete(
                 restored[-1].reshape(-1),
@@ -686,9 +692,10 @@ def _induction_composition_table(results: dict) -> list[str]:
         "into the corrupted run (1 = all of the clean run's advantage), after training, mean [95% CI] "
         "over seeds:",
         "",
-        "| induction head alone | previous-token head alone | each other head (mean) "
+        "| induction head alone | previous-token head alone | each other head of the induction head's layer "
+        "(mean) | each other head (mean) "
         "| induction minus previous-token head (paired) |",
-        "|---|---|---|---|",
+        "|---|---|---|---|---|",
         "| "
         + " | ".join(_interval(results[name]) for name in PATCH_NAMES)
         + f" | {_change(results['patch_induction_minus_previous'])} |",
