@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qkv_jax.lm import TransformerLM
+from qkv_jax.studies.grid import cell_name
 from qkv_jax.studies.results import Study
 from qkv_jax.studies.stats import mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
@@ -107,7 +108,13 @@ def sinks(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
     rows = run_sweep(
         base, workdir / "sweep", SINK_CELLS, seeds, metric="eval_val_bits_per_char", probe_for=sink_probe
     )
-    arms = [_arm(row) for row in rows if row["status"] == "done"]
+    done = [row for row in rows if row["status"] == "done"]
+    if len(done) < len(rows):
+        failed = ", ".join(f"{cell_name(row['cell'])} ({row['status']})" for row in rows if row not in done)
+        raise ConfigError(
+            f"the sinks study compares every arm; these did not finish: {failed} (run it again)"
+        )
+    arms = [_arm(row) for row in done]
     plain = next((a for a in arms if a["arm"] == "softmax"), None)
     if plain is None:
         raise ConfigError("the sinks study compares with plain softmax attention, whose cell did not finish")
@@ -123,7 +130,7 @@ def sinks(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
         "first_query": FIRST_QUERY,
         "train_steps": base["train"]["steps"],
         "rows": arms,
-        "wall_time_s": sum(row["wall_time_s"] for row in rows),
+        "wall_time_s": sum(row["wall_time_s"] for row in done),
     }
 
 

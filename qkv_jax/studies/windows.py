@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from qkv_jax.lm import TransformerLM, kv_cache_bytes
-from qkv_jax.studies.grid import apply_overrides
+from qkv_jax.studies.grid import apply_overrides, cell_name
 from qkv_jax.studies.language_model import DECODE_BATCHES, decode_tokens_per_second
 from qkv_jax.studies.results import Study
 from qkv_jax.studies.stats import mean_interval, paired_difference
@@ -57,6 +57,11 @@ def windows(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
     bytes for one sequence of max_len tokens, and decode tokens/s at DECODE_BATCHES."""
     rows = run_sweep(base, workdir / "sweep", WINDOW_CELLS, seeds, metric="eval_val_bits_per_char")
     done = [row for row in rows if row["status"] == "done"]
+    if len(done) < len(rows):
+        failed = ", ".join(f"{cell_name(row['cell'])} ({row['status']})" for row in rows if row not in done)
+        raise ConfigError(
+            f"the windows study compares every arm; these did not finish: {failed} (run it again)"
+        )
     full = next((r for r in done if r["cell"]["model.window"] == "full"), None)
     if full is None:
         raise ConfigError("the windows study compares with all-global layers, whose cell did not finish")
@@ -87,7 +92,7 @@ def windows(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
         "train_steps": base["train"]["steps"],
         "batches": list(DECODE_BATCHES),
         "rows": results,
-        "wall_time_s": sum(row["wall_time_s"] for row in rows),
+        "wall_time_s": sum(row["wall_time_s"] for row in done),
     }
 
 
