@@ -61,6 +61,7 @@ def test_a_zero_in_the_head_mask_removes_the_head_from_w_o(variant):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), masked, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_lm_head_mask_is_per_layer_and_head():
     model = lm.TransformerLM(
         lm.TransformerConfig(vocab_size=11, num_layers=2, d_model=16, num_heads=4, max_len=8)
@@ -95,6 +96,7 @@ def small_config(path, **overrides):
     return char_lm_small_config(path, **{**fields, **overrides})
 
 
+@pytest.mark.slow
 def test_char_lm_ablation_is_the_loss_without_each_heads_w_o_rows(tmp_path):
     text = tmp_path / "code.txt"
     text.write_text(TEXT)

@@ -174,6 +174,7 @@ GENERATION = {
 
 
 @pytest.mark.parametrize("name", sorted(GENERATION))
+@pytest.mark.slow
 def test_generation_captures_every_decode_step_as_the_full_pass(name):
     """Greedy generation's tokens are generate's; step i's z, k (its new position) and pattern row
     equal the full pass over prompt + generated tokens at position P + i (the absorbed MLA scores
@@ -219,6 +220,7 @@ def test_generation_captures_every_decode_step_as_the_full_pass(name):
 
 
 @pytest.mark.parametrize("name", ["gqa", "mla_lora"])
+@pytest.mark.slow
 def test_nnx_captures_equal_linen_and_leave_the_model_as_it_was(name):
     config = CONFIGS[name]
     params = model_params(config)
@@ -251,6 +253,7 @@ def test_nnx_captures_equal_linen_and_leave_the_model_as_it_was(name):
     assert_close(model(tokens), linen_logits)
 
 
+@pytest.mark.slow
 def test_nnx_generation_captures_equal_linen():
     config = CONFIGS["gqa"]
     params = model_params(config)
@@ -267,6 +270,7 @@ def test_nnx_generation_captures_equal_linen():
 # ------------------------------------------------------------ the modules and the flag readers
 
 
+@pytest.mark.slow
 def test_block_and_attention_alone_have_the_names_without_the_prefix():
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, D))
     config = lm.TransformerConfig(vocab_size=VOCAB, num_layers=1, d_model=D, num_heads=N, num_kv_heads=2)

@@ -119,6 +119,7 @@ def test_scale_reproduces_thermostat_example(walkthrough):
         np.testing.assert_allclose(weights[0, 0], walkthrough["softmax_thermostat"][name], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradients_float64():
     query, key, value = random_qkv(6, (2,), 3, 4, 4, 2, 3, 2)
     mask = np.random.default_rng(6).random((2, 1, 3, 4)) < 0.7
@@ -196,6 +197,7 @@ def test_padding_mask_in_attention_ignores_padded_keys():
     np.testing.assert_allclose(out[:1], truncated, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_replays_its_rng_and_is_unbiased():
     query, key, value = random_qkv(9, (), 4, 5, 2, 1, 3, 3, np.float32)
     rng = jax.random.PRNGKey(3)

@@ -191,6 +191,7 @@ KERNEL_CASES = [
 
 
 @pytest.mark.parametrize("T,S,block_q,block_k,is_causal,mask_shape,bias_shape", KERNEL_CASES)
+@pytest.mark.slow
 def test_chunked_kernel_with_small_blocks(T, S, block_q, block_k, is_causal, mask_shape, bias_shape):
     rng = np.random.default_rng(T * S)
     query = rng.normal(size=(2, T, 4, 8)).astype(np.float32)

@@ -110,6 +110,7 @@ def test_default_tiles_match_the_reference(is_causal, masking):
 @pytest.mark.parametrize(
     "offset", [pytest.param("top-left", marks=pytest.mark.slow), "bottom-right"]
 )  # top-left with T != S on small tiles: also tests/test_attention_variants.py
+@pytest.mark.slow
 def test_causal_with_fewer_queries_than_keys_and_more(offset):
     """Causal T != S, aligned top-left (jax.nn's) and bottom-right (query_offset = S - T: the
     queries as the last T of S), with overlapping blocks on both sides."""
@@ -226,6 +227,7 @@ def test_the_backward_pass_allocates_no_logits():
     assert temp_bytes(gradients, x, x, x) < logits_bytes / 16
 
 
+@pytest.mark.slow
 def test_runs_inside_shard_map_with_a_replicated_bias():
     """Inside `shard_map` (here over one CPU device: the types are checked all the same) the
     kernel's loop carries and its custom VJP's cotangents must carry the mesh axes the inputs

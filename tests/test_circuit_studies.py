@@ -194,6 +194,7 @@ def test_each_probe_refuses_the_wrong_task():
         induction_composition_probe(build_setup(flag_retrieval.get_config()))
 
 
+@pytest.mark.slow
 def test_head_patching_is_one_patched_run_per_head_as_a_share_of_the_clean_advantage():
     """Entry (l, h) of head_patching is (patched - corrupted) / (clean - corrupted) of the mean
     log-probability of the repeat task's answers, with head h of layer l's clean hook_z in the

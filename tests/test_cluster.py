@@ -236,6 +236,7 @@ def test_lock_names_its_holder_and_is_released(tmp_path):
     "refused before the first step with one line: the bytes needed, the bytes available and the "
     "fields that drive them; no checkpoint written",
 )
+@pytest.mark.slow
 def test_oversized_config_is_refused_before_training(tmp_path):
     config = small_config(batch_size=2**28)
     with pytest.raises(InsufficientMemoryError) as info:

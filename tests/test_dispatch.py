@@ -284,6 +284,7 @@ def matches_the_reference(attend, low, rounded, kwargs):
 
 
 @pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.slow
 def test_gpu_route_hands_cudnn_valid_arguments_and_matches_the_reference(gpu_route, case):
     batch, T, S, N, K, arguments = GPU_CASES[case]
     low, rounded = bf16_inputs(batch, T, S, N, K)
@@ -330,6 +331,7 @@ EXPLICIT_CUDNN = {
 
 
 @pytest.mark.parametrize("case", EXPLICIT_CUDNN)
+@pytest.mark.slow
 def test_explicit_cudnn_with_windows_and_segments(gpu_route, case):
     T, S, kwargs, window = EXPLICIT_CUDNN[case]
     low, rounded = bf16_inputs((2,), T, S, 4, 2)

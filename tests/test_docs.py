@@ -69,6 +69,7 @@ def free_port():
 
 
 @pytest.mark.parametrize("doc,index", PYTHON_BLOCKS)
+@pytest.mark.slow
 def test_python_blocks(doc, index):
     code = blocks("python", doc)[index]
     result = subprocess.run(

@@ -79,6 +79,7 @@ def test_linen_same_parameter_tree(linen_pair):
     assert_trees_close(ours.init(KEYS[2], X, MEMORY, train=False), variables, atol=0)
 
 
+@pytest.mark.slow
 def test_linen_same_outputs_sown_weights_and_gradients(linen_pair):
     flax_model, ours, variables = linen_pair
     results = []

@@ -80,6 +80,7 @@ def decoded_logits(model, params):
 
 
 @pytest.mark.parametrize("latent", [None, 8], ids=["mha", "mla"])
+@pytest.mark.slow
 def test_converting_to_as_many_kv_heads_is_the_identity(latent):
     params = noisy(make_model(kv_latent_dim=latent).init(jax.random.PRNGKey(1), TOKENS)["params"])
     converted = convert_kv_heads(params, N)
@@ -179,6 +180,7 @@ def test_fit_params_checks_shapes_and_keeps_or_merges_adapters():
         fit_params(deeper, source)
 
 
+@pytest.mark.slow
 def test_fitted_params_run_vmapped_over_seeds_each_with_its_own_adapters():
     """What a sweep of vmapped seeds needs: `init_from.fitted_params` under jax.vmap gives every seed
     the source's parameters and keeps each seed's own fresh adapters."""
@@ -234,6 +236,7 @@ def source_run(tmp_path_factory):
     return text, root / "W1"
 
 
+@pytest.mark.slow
 def test_init_from_refuses_a_missing_source(tmp_path):
     text = tmp_path / "code.txt"
     text.write_text(TEXT)

@@ -219,6 +219,7 @@ def test_lora_adapters_are_added_to_the_kernels():
         circuits.head_weights({"query": {}})
 
 
+@pytest.mark.slow
 def test_head_weights_scores_and_attribution_under_jit(case):
     config, params, _, _, acts = case
     eager = _weights(config, params, fold_layer_norm=True)
@@ -433,6 +434,7 @@ def test_hook_names_and_filters():
         cache.hook_names(0)
 
 
+@pytest.mark.slow
 def test_importing_the_package_imports_neither_torch_nor_transformer_lens():
     code = (
         "import sys, qkv_jax.interpretability; "

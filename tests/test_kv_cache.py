@@ -108,6 +108,7 @@ def test_mla_matches_an_independent_reference():
     "appending past the KV cache's max length, eagerly",
     "`ValueError` naming the position and the capacity (flax's cache would overwrite silently)",
 )
+@pytest.mark.slow
 def test_decoding_past_the_cache_raises_eagerly():
     module = qkv_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, is_causal=True)
     variables = module.init(jax.random.PRNGKey(3), X[:, :3], decode=True)  # room for 3
@@ -174,6 +175,7 @@ def test_decoding_without_is_causal_attends_to_the_filled_positions_up_to_its_ow
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.slow
 def test_absorbed_mla_decoding_equals_rebuilding_keys_and_values(kv_heads):
     """Weight absorption (the default) against K and V rebuilt from the latents at every step:
     the same outputs (float32, 1e-5), with non-zero biases, a prompt and single tokens, GQA."""

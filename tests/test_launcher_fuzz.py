@@ -287,6 +287,7 @@ def check_result(result, args, workdir, before, seed) -> str:
     "workdir keeps every byte, a new one is not created",
 )
 @pytest.mark.parametrize("shard", range(SHARDS))
+@pytest.mark.slow
 def test_fuzzed_command_lines(shard, places):
     seed = SEED + shard
     rng = random.Random(seed)

@@ -50,6 +50,7 @@ def variant(request):
     "logits equal the full causal forward pass within 1e-5",
 )
 @pytest.mark.parametrize("prompt_length", [1, 5])
+@pytest.mark.slow
 def test_cached_decoding_equals_the_full_pass(variant, prompt_length):
     _, model, _, full, step = variant
     logits, cache = step(lm.init_cache(model, 2), TOKENS[:, :prompt_length])
@@ -91,6 +92,7 @@ def receptive_field(model, params):
     return np.linalg.norm(np.asarray(grads[:, 0]), axis=-1)  # (T, T): [t, s]
 
 
+@pytest.mark.slow
 def test_causal_receptive_field_through_gradients():
     causal = make_model()
     params = jax.jit(causal.init)(jax.random.PRNGKey(2), TOKENS)["params"]

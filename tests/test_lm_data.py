@@ -98,6 +98,7 @@ class TestSequenceTasks:
         assert ((sequence[:, :5] >= 1) & (sequence[:, :5] < 7)).all()
         np.testing.assert_array_equal(mask, np.arange(10)[None, :].repeat(32, 0) >= 5)
 
+    @pytest.mark.slow
     def test_bracket_completion_against_a_stack(self):
         num_types, prefix_len = 3, 10
         batch = jax.tree.map(np.asarray, bracket_batch(jax.random.PRNGKey(1), 200, prefix_len, num_types))

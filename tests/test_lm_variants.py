@@ -165,6 +165,7 @@ def case_outputs(case: tuple) -> dict:
 
 
 @pytest.mark.parametrize("case", covering_cases(), ids=case_id)
+@pytest.mark.slow
 def test_cached_decoding_equals_the_full_pass_for_every_pair_of_options(case):
     """Every pair of option values meets in at least one case (the covering design above); each
     case decodes 7 single tokens, then 5 at once (more than a 3-slot ring holds)."""
@@ -351,6 +352,7 @@ def test_local_layers_cache_their_window_and_global_layers_max_len():
     assert cached_bytes(wide)["block_0"] == kv_bytes(MAX_LEN, N)
 
 
+@pytest.mark.slow
 def test_local_only_models_without_learned_positions_decode_past_max_len():
     short, long_tokens = model(window=3, positions="rope", max_len=4), jnp.tile(TOKENS, (1, 2))  # (B, 24)
     assert lm.decode_capacity(short.config) is None

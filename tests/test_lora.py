@@ -107,6 +107,7 @@ VARIANTS = {
     "the adapted model's full pass within 1e-5 (float32); the adapted MLA model's absorbed decoding too",
 )
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.slow
 def test_merged_adapters_load_into_the_plain_model_and_decode_with_the_cache(variant):
     adapted = make_model(lora_rank=2, lora_alpha=4.0, **VARIANTS[variant])
     plain = adapted.clone(config=dataclasses.replace(adapted.config, lora_rank=0))
@@ -130,6 +131,7 @@ def test_merged_adapters_load_into_the_plain_model_and_decode_with_the_cache(var
         np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_only_the_adapters_train_with_optax_masking():
     """adapter_labels by path; a step of the wrapped AdamW (weight decay, clipping) leaves every
     frozen leaf bit-identical and moves the adapters."""

@@ -50,6 +50,7 @@ def decode(step, state, inputs, lengths=(3, 1, 2)):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.slow
 def test_attention_converts_both_ways_and_decodes_alike(variant):
     fields = dict(num_heads=4, is_causal=True, **VARIANTS[variant])
     linen = qkv_jax.MultiHeadAttention(**fields)
@@ -83,6 +84,7 @@ LM_FIELDS = dict(vocab_size=11, num_layers=2, d_model=16, num_heads=4, max_len=1
 TOKENS = jax.random.randint(jax.random.PRNGKey(4), (B, 10), 0, 11)
 
 
+@pytest.mark.slow
 def test_language_model_converts_both_ways_and_decodes_alike():
     """GQA with MLA latents and LoRA adapters on W_Q and W_V: every kind of parameter at once."""
     config = lm.TransformerConfig(**LM_FIELDS, num_kv_heads=2, kv_latent_dim=8, lora_rank=2)

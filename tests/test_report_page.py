@@ -28,6 +28,9 @@ from qkv_jax.tasks.flag_retrieval import attention_weights, flag_retrieval_batch
 from qkv_jax.training import build_setup, read_params, train_and_evaluate
 from qkv_jax.training.loop import seed_keys
 
+# Every test here trains or reports a real run: the full suite's, not the fast tier's.
+pytestmark = pytest.mark.slow
+
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))
 
 

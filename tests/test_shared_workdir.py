@@ -84,6 +84,7 @@ def modes(directory):
     "checkpoint files, TensorBoard's, report.json, report.html, pictures and results.*",
 )
 @pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask 0022", "umask 0077"])
+@pytest.mark.slow
 def test_files_follow_the_umask(tmp_path, umask):
     previous = os.umask(umask)
     try:

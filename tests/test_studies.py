@@ -62,6 +62,7 @@ def thermostat_setups():
     return {scaled: setup(scaled) for scaled in (True, False)}
 
 
+@pytest.mark.slow
 def test_thermostat_probe_at_large_d_k(thermostat_setups):
     """At initialisation (3 seeds), d_k = 1024: unscaled logits give peaked rows, and the softmax
     passes back less gradient per unit of logit scale (the softmax saturates); yet the raw gradient
@@ -77,6 +78,7 @@ def test_thermostat_probe_at_large_d_k(thermostat_setups):
         assert unscaled["grad_query"] > scaled["grad_query"] and unscaled["grad_key"] > scaled["grad_key"]
 
 
+@pytest.mark.slow
 def test_probes_follow_vmapped_training_and_resume(tmp_path):
     config = sequences.get_config("repeat")
     config.model.update(num_layers=2, d_model=16, num_heads=2)

@@ -33,6 +33,7 @@ def tiny_config(variant="multihead"):
     return config
 
 
+@pytest.mark.slow
 def test_vmapped_seeds_equal_training_each_seed_alone(tmp_path):
     config = tiny_config()
     together = train_seeds(config, [0, 3])
@@ -67,6 +68,7 @@ def test_grid_and_overrides():
         apply_overrides(config, {"model.bogus": 1})
 
 
+@pytest.mark.slow
 def test_tiny_sweep_end_to_end_with_resume(tmp_path):
     sweep = {"model.d_k": [4, 6], "model.num_heads": [1, 4]}
     logged = []
@@ -233,6 +235,7 @@ def outside_task(tmp_path, monkeypatch):
     "(the command line: exit 1, one line); the same command retries only that cell, and once it trains "
     "the traceback is gone",
 )
+@pytest.mark.slow
 def test_a_failing_cell_does_not_stop_the_sweep(tmp_path, outside_task):
     module, config = outside_task
     workdir, logged = tmp_path / "sweep", []

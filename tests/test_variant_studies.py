@@ -86,6 +86,7 @@ def test_logit_scale_cells_are_every_arm_at_every_d_k():
         ]
 
 
+@pytest.mark.slow
 def test_qk_norm_without_the_scale_starts_peaked_at_large_d_k():
     """RMS-normalised queries and keys have norm sqrt(d_k) each: without 1/sqrt(d_k) the logits at
     initialisation grow with d_k as the unscaled ones do, so the row starts nearly one-hot."""
