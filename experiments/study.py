@@ -10,6 +10,12 @@ r"""Run one study of learned attention; it writes its own results, table and plo
     --config configs/flag_retrieval.py:logit_scale --config.train.steps=300 --config.train.log_every=10
   python -m experiments.study positions --workdir runs/positions --seeds 3 \
     --config configs/sequences.py:repeat --config.task.length=64 --config.model.max_len=512
+  python -m experiments.study flag_reader --workdir runs/flag_reader --seeds 8 --config configs/flag_retrieval.py
+  python -m experiments.study induction_composition --workdir runs/composition --seeds 8 \
+    --config configs/sequences.py:repeat --config.train.log_every=25
+  python -m experiments.study kv_views --workdir runs/kv_views --seeds 5
+  python -m experiments.study sinks --workdir runs/sinks --seeds 4
+  python -m experiments.study windows --workdir runs/windows --seeds 4
   python -m experiments.study lora_finetune --workdir runs/lora --pretrained runs/pretrain --seeds 3
   python -m experiments.study kv_conversion --workdir runs/conversion --pretrained runs/pretrain --seeds 3
   python -m experiments.study head_ablation --workdir runs/ablation --pretrained runs/pretrain --seeds 3
@@ -39,6 +45,20 @@ resumes: finished runs and sweep cells are read back, not retrained.
                  2 * task.length tokens: when the strongest induction score passes 0.5, and
                  loss and accuracy on the repeated half at that length and at 2x and 4x it
                  (model.max_len must hold 4x), each paired against RoPE.
+  flag_reader    (a flag_retrieval config, the learned-query reader) the learned query's
+                 direction against the flag channel (cosine) and W_QK's singular values
+                 and effective rank through training.
+  induction_composition
+                 (a sequences.py:repeat config) K-composition between the previous-token
+                 head and the induction head against the induction score through
+                 training, and the share of the answers' log-probability that patching
+                 each head's clean output into a corrupted run restores.
+  kv_views       the K/V study's cells: W_QK effective rank and the number of distinct
+                 attention patterns per layer, paired against MHA.
+  sinks          plain softmax, learned sinks, a soft cap of 5 and both: each head's
+                 first-token share, entropy and sink mass through training, bits/char.
+  windows        all global, all local at 64/32/16 keys, local/global alternating:
+                 bits/char against the decode cache's bytes and decode tokens/s.
   lora_finetune  each seed's model (pre-trained once per seed in --pretrained, shared
                  by the three fine-tuning studies) fine-tuned onto the standard
                  library's docstrings: in full, and with LoRA adapters of rank 1-16.
