@@ -10,7 +10,8 @@ r"""Run one study of learned attention; it writes its own results, table and plo
     --config configs/flag_retrieval.py:logit_scale --config.train.steps=300 --config.train.log_every=10
   python -m experiments.study positions --workdir runs/positions --seeds 3 \
     --config configs/sequences.py:repeat --config.task.length=64 --config.model.max_len=512
-  python -m experiments.study flag_reader --workdir runs/flag_reader --seeds 8 --config configs/flag_retrieval.py
+  python -m experiments.study flag_reader --workdir runs/flag_reader --seeds 8 \
+    --config configs/flag_retrieval.py
   python -m experiments.study induction_composition --workdir runs/composition --seeds 8 \
     --config configs/sequences.py:repeat --config.train.log_every=25
   python -m experiments.study kv_views --workdir runs/kv_views --seeds 5
