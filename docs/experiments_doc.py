@@ -952,6 +952,193 @@ def lm_kv_heads() -> str:
     )
 
 
+def lm_windows() -> str:
+    workdir = "runs/studies/windows"
+    command = [
+        "experiments.study",
+        "windows",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "4",
+        "--config.eval.ablation_examples=0",
+    ]
+    run(command)
+    record = json.loads((ROOT / workdir / "results.json").read_text())
+    image = copy_image(ROOT / workdir / "windows.png", "study_lm_windows.png")
+    rows = {r["window"]: r for r in record["rows"]}
+    full = rows["full"]
+    batch = record["batches"][-1]
+    seeds = len(full["seeds"])
+
+    def arm(r: dict) -> str:
+        d = r["minus_global"]
+        cost = (
+            "no difference within the interval"
+            if not excludes_zero(d)
+            else ("worse" if d["mean"] > 0 else "better")
+        )
+        return (
+            f"{r['arm']}: {ci(r['val_bits_per_char'], 4)} bits/char, {ci(d, 4, signed=True)} against all "
+            f"global ({cost}), with {r['cache_bytes'] / full['cache_bytes']:.0%} of the cache and "
+            f"{r[f'decode_tokens_per_s_batch{batch}'] / full[f'decode_tokens_per_s_batch{batch}']:.2f}x "
+            f"the decode speed at batch {batch}"
+        )
+
+    others = [r for r in record["rows"] if r is not full]
+    same = [r["arm"] for r in others if not excludes_zero(r["minus_global"])]
+    better = [r["arm"] for r in others if excludes_zero(r["minus_global"]) and r["minus_global"]["mean"] < 0]
+    worse = [r["arm"] for r in others if excludes_zero(r["minus_global"]) and r["minus_global"]["mean"] > 0]
+    verdict = []
+    if worse:
+        verdict.append(f"{', '.join(worse)} cost bits/char: the model reads further back than that")
+    if same:
+        verdict.append(f"{', '.join(same)} cost nothing within the interval")
+    if better:
+        verdict.append(
+            f"{', '.join(better)} are even better after {record['train_steps']} steps: a short window is "
+            "a prior toward the nearby characters, plausibly what a char LM learns first"
+        )
+    answer = (
+        f"All global: {ci(full['val_bits_per_char'], 4)} bits/char with a {full['cache_bytes']:,}-byte "
+        "cache per sequence. "
+        + upper_first("; ".join(arm(r) for r in others))
+        + f". At this context length ({record['max_len']} characters) and training length, "
+        + "; ".join(verdict)
+        + "."
+    )
+    return "\n".join(
+        [
+            "## Sliding windows: what a local layer costs and what it saves at decode time",
+            "",
+            "**Question.** A sliding window lets a layer attend to its last w keys only, so its decode cache "
+            "holds w positions instead of the whole context. What does that cost a char LM in bits/char, and "
+            "what does it save in cache bytes and decode speed, with every layer local or local and global "
+            "layers alternating?",
+            "",
+            f"**Design.** `configs/char_lm.py:study` (2-layer TransformerLM, d_model 128, 8 heads, "
+            f"{record['max_len']}-character windows, {record['train_steps']} AdamW steps) with "
+            "`model.window` "
+            "`full`, `64`, `32`, `16` and `16,full` (layer 0 local, layer 1 global); "
+            f"{seeds} seeds, each arm's seeds trained together on the same batches "
+            "(`qkv_jax/studies/windows.py`). "
+            "Cache bytes from `qkv_jax.lm.kv_cache_bytes` (a local layer keeps a ring buffer of its window); "
+            "decode speed from `generate` on freshly initialised parameters. Intervals are t-based 95% over "
+            "seeds; differences from all global are paired by seed.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
+            f"`{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![bits/char against cache bytes, and decode speed]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
+def upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def lm_sinks() -> str:
+    workdir = "runs/studies/sinks"
+    command = [
+        "experiments.study",
+        "sinks",
+        "--workdir",
+        workdir,
+        "--seeds",
+        "4",
+        "--config.eval.ablation_examples=0",
+    ]
+    run(command)
+    record = json.loads((ROOT / workdir / "results.json").read_text())
+    image = copy_image(ROOT / workdir / "sinks.png", "study_lm_sinks.png")
+    arms = {r["arm"]: r for r in record["rows"]}
+    plain = arms["softmax"]
+    seeds = len(plain["seeds"])
+
+    def change(arm: dict, name: str, digits: int = 3) -> str:
+        d = arm["minus_softmax"][name]
+        verdict = (
+            "no change within the interval"
+            if not excludes_zero(d)
+            else ("higher" if d["mean"] > 0 else "lower")
+        )
+        return f"{ci(d, digits, signed=True)} ({verdict})"
+
+    described = [
+        f"with {name}: first-token share {ci(arm['intervals']['first_token'])} (minus softmax "
+        f"{change(arm, 'first_token')}), its most first-token head "
+        f"{ci(arm['intervals']['largest_first_token'])}, "
+        f"entropy {ci(arm['intervals']['entropy'])} nats ({change(arm, 'entropy')}), sink mass "
+        f"{ci(arm['intervals']['sink_mass'])}, validation bits/char "
+        f"{ci(arm['intervals']['val_bits_per_char'], 4)} "
+        f"({change(arm, 'val_bits_per_char', 4)})"
+        for name, arm in arms.items()
+        if arm is not plain
+    ]
+    sink_arm = arms.get("sinks")
+    moved = (
+        sink_arm is not None
+        and excludes_zero(sink_arm["minus_softmax"]["first_token"])
+        and sink_arm["minus_softmax"]["first_token"]["mean"] < 0
+    )
+    answer = (
+        f"Plain softmax attention puts {ci(plain['intervals']['first_token'])} of each later query's "
+        "weight on "
+        f"the first position of the window (before training {ci(plain['intervals']['first_token_before'])}; "
+        f"its most first-token head {ci(plain['intervals']['largest_first_token'])}), at entropy "
+        f"{ci(plain['intervals']['entropy'])} nats and {ci(plain['intervals']['val_bits_per_char'], 4)} "
+        "validation bits/char. "
+        + upper_first("; ".join(described))
+        + ". "
+        + (
+            "A learned sink takes over the first token's job: the spare weight goes to the sink, which "
+            "writes nothing, instead of to whatever character opens the window."
+            if moved
+            else "No first-token sink formed at this size and training length: plain softmax puts less "
+            "weight on the first position after training than before, and a learned sink, which takes "
+            "weight of its own, leaves the first-token share where it was."
+        )
+    )
+    return "\n".join(
+        [
+            "## Attention sinks: learned sinks and soft-capped logits against the first token",
+            "",
+            "**Question.** Trained transformers put spare attention on the first token. Does a learned sink "
+            "logit per head (a softmax slot that writes nothing) take that weight instead, and does a "
+            "soft cap "
+            "on the logits change where attention goes? What does each cost in bits/char?",
+            "",
+            f"**Design.** `configs/char_lm.py:study` (2-layer TransformerLM, d_model 128, 8 heads, "
+            f"128-character windows, {record['train_steps']} AdamW steps), four arms: plain softmax, "
+            f"`model.sinks=True`, `model.attn_logits_soft_cap={record['soft_cap']:g}`, and both; {seeds} "
+            "seeds, "
+            "each arm's seeds trained together on the same batches. Before training and every 50 steps a "
+            "probe "
+            "(`sink_probe` in `qkv_jax/studies/sinks.py`) reads every head's attention on "
+            f"{record['windows']} "
+            f"held-out windows, over the queries at position {record['first_query']} and later (earlier ones "
+            "see few keys): the weight on position 0, the entropy of the row, and the weight the sink took "
+            "(1 minus the row's sum). Intervals are t-based 95% over seeds; differences from plain "
+            "softmax are "
+            "paired by seed.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
+            f"`{shown(command)}`",
+            "",
+            *record["table"],
+            "",
+            f"![first-token share and sink mass through training]({image})",
+            "",
+            f"**Answer.** {answer}",
+        ]
+    )
+
+
 def lm_kv_views() -> str:
     workdir = "runs/studies/kv_views"
     command = [
@@ -1312,6 +1499,7 @@ def induction_composition() -> str:
             if saturates_first
             else f". So they rise together, {together}."
         )
+        + patching_answer(record)
     )
     return "\n".join(
         [
@@ -1321,7 +1509,9 @@ def induction_composition() -> str:
             "writes each token's predecessor into the residual stream, and the induction head's keys read "
             "it (K-composition, a property of the learned matrices W_OV of the first head and W_QK of the "
             "second, no input involved). The induction score is a property of the attention pattern. Does "
-            "the composition rise at the same step as the score?",
+            "the composition rise at the same step as the score? And which head carries the prediction: "
+            "how much of the answers' log-probability does patching the induction head alone, "
+            "or the previous-token head alone, restore?",
             "",
             f"**Design.** `configs/sequences.py:repeat` as in the study above (2-layer TransformerLM, "
             f"d_model 64, 4 heads, {record['train_steps']} AdamW steps), {seeds} seeds trained together. "
@@ -1335,7 +1525,12 @@ def induction_composition() -> str:
             "curves: risen, the first probed step at which a curve has covered half of its change from "
             "before training to the end; steepest, the step that ends the probe interval over which it rose "
             "the most (no threshold). Intervals are t-based 95% intervals over seeds; composition minus "
-            "induction is paired per seed.",
+            "induction is paired per seed. Patching, after training: on 32 fixed sequences of the task "
+            "(`repeat_batch`), clean as the task makes them and corrupted with every first-half token "
+            "redrawn (the first copy lies in the first half, so the second copy is no longer predictable), "
+            "each head's clean output (hook_z, every position) replaces its output in the corrupted run "
+            "(`patching_sweep`, `head_patching` in `qkv_jax/studies/circuits.py`); its share is (patched - "
+            "corrupted) / (clean - corrupted) of the mean log-probability of the task's answers.",
             "",
             f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
             f"`{shown(command)}`",
@@ -1352,6 +1547,39 @@ def induction_composition() -> str:
 # --- Fine-tuning the learned projections -----------------------------------------------------
 
 FINETUNE_PRETRAINED = "runs/studies/lm_pretrain"
+
+
+def patching_answer(record: dict) -> str:
+    """The induction study's patching result in words, every number from `record`."""
+    induction, previous = record["patch_induction_head"], record["patch_previous_token_head"]
+    difference = record["patch_induction_minus_previous"]
+    measured = (
+        f" Patching: the induction head's clean output alone restores {ci(induction)} of the clean "
+        "run's advantage in the answers' log-probability, the previous-token head's alone "
+        f"{ci(previous)} (induction minus previous-token, paired: {ci(difference, signed=True)}), "
+        "each other head of the induction head's layer "
+        f"{ci(record['patch_induction_layer_others'])}, each other head {ci(record['patch_other_heads'])}."
+    )
+    if record["patch_induction_head"]["high"] < 0.9 and record["patch_induction_layer_others"]["low"] > 0.1:
+        measured += (
+            " No single head restores the whole advantage: the copy is written by several heads of the "
+            "later layer at once, each restoring part of it."
+        )
+    if excludes_zero(difference) and difference["mean"] > 0:
+        measured += (
+            " Of the circuit's two heads, the induction head's output carries the answer. The "
+            "previous-token head's clean output alone "
+            + (
+                "makes it worse"
+                if excludes_zero(previous) and previous["mean"] < 0
+                else "does not restore it"
+            )
+            + ", as the circuit predicts: it tells the induction head's keys where the first copy was, but "
+            "in the corrupted run another token stands there, and that is what the induction head copies."
+        )
+    else:
+        measured += " Within the intervals, neither head alone restores more than the other."
+    return measured
 
 
 def finetune_command(study: str) -> list[str]:
@@ -1679,6 +1907,8 @@ STUDIES: dict[str, Callable[[], str]] = {
     "lm_causal_mask": lm_causal_mask,
     "lm_kv_heads": lm_kv_heads,
     "lm_kv_views": lm_kv_views,
+    "lm_sinks": lm_sinks,
+    "lm_windows": lm_windows,
     "induction_heads": induction_heads,
     "induction_composition": induction_composition,
     "lm_lora_finetune": lm_lora_finetune,
