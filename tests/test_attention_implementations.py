@@ -346,6 +346,7 @@ def test_multi_head_attention_takes_the_chunked_path_on_long_inputs():
     assert "custom_vjp_call" in program  # the chunked kernel's custom VJP
 
 
+@pytest.mark.slow
 def test_modules_pass_the_implementation_through_and_sowing_takes_the_reference():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 11)
     logits = {}

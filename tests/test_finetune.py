@@ -97,6 +97,7 @@ def test_converting_to_as_many_kv_heads_is_the_identity(latent):
     "pass (1e-5)",
 )
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa2", "mqa"])
+@pytest.mark.slow
 def test_converted_mha_loads_into_the_gqa_model_and_decodes_with_the_cache(num_kv_heads):
     mha = make_model()
     gqa = mha.clone(config=dataclasses.replace(mha.config, num_kv_heads=num_kv_heads))
@@ -135,6 +136,7 @@ def test_conversion_refuses_what_it_cannot_pool():
         convert_kv_heads({"dense": {"kernel": jnp.ones((2, 2))}}, 1)
 
 
+@pytest.mark.slow
 def test_fit_params_checks_shapes_and_keeps_or_merges_adapters():
     source = noisy(make_model().init(jax.random.PRNGKey(1), TOKENS)["params"])
     adapted = make_model(lora_rank=2, lora_targets=("query", "value"))

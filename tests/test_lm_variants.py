@@ -174,6 +174,7 @@ def test_cached_decoding_equals_the_full_pass_for_every_pair_of_options(case):
 
 
 @pytest.mark.parametrize("case", covering_cases(), ids=case_id)
+@pytest.mark.slow
 def test_nnx_equals_linen_for_every_pair_of_options(case):
     """The nnx TransformerLM with the linen parameters gives the linen logits, full and decoded,
     over the same covering design."""

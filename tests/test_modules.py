@@ -242,6 +242,7 @@ def test_bad_call_arguments(call, message):
     assert message in str(info.value)
 
 
+@pytest.mark.slow
 def test_causal_cross_attention_is_top_left_and_any_attention_fn_sees_the_same_mask():
     """is_causal with T != S: query t sees keys 0..t (jax.nn's alignment). flax's own
     attention function as `attention_fn` gets the triangle (and, decoding, the cache's

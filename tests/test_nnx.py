@@ -140,6 +140,7 @@ def test_sown_weights_through_capture_and_pop():
     assert popped.shape == (B, 2, L, L)
 
 
+@pytest.mark.slow
 def test_lora_linear_general_is_the_linen_adapter():
     layer = LoRALinearGeneral((4, 2), 5, axis=(-2, -1), rank=3, alpha=6.0, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(8), (2, 3, 4, 2))
@@ -152,6 +153,7 @@ def test_lora_linear_general_is_the_linen_adapter():
     )
 
 
+@pytest.mark.slow
 def test_flax_nnx_options_and_views():
     """in_kv_features, qkv_features, out_features as flax.nnx takes them; `nnx.view`'s hook."""
     model = MultiHeadAttention(4, 8, qkv_features=12, out_features=5, in_kv_features=6, rngs=nnx.Rngs(0))

@@ -112,6 +112,7 @@ def logit_difference_t(logits):
     return (logits[:, -1, ANSWER] - logits[:, -1, CONTRAST]).mean()
 
 
+@pytest.mark.slow
 def test_nnx_sweep_equals_linen(gqa):
     config, model, variables, _, corrupted, cache = gqa
     nnx_model = qkv_nnx.linen_to_nnx(variables, qkv_nnx.TransformerLM(config, rngs=nnx.Rngs(0)))

@@ -277,6 +277,7 @@ def test_a_failing_cell_does_not_stop_the_sweep(tmp_path, outside_task):
     "it stops the sweep at once: not recorded as a failed cell, the cell's lock released, the signal "
     "handlers the sweep installed restored",
 )
+@pytest.mark.slow
 def test_keyboard_interrupt_stops_the_sweep(tmp_path, outside_task):
     module, config = outside_task
     module.BROKEN = KeyboardInterrupt

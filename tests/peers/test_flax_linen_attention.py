@@ -60,6 +60,12 @@ except ImportError:
 jax.config.parse_flags_with_absl()
 
 
+# flax's own tests, adapted: the full suite runs them, the fast tier does not.
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
 class AttentionTest(parameterized.TestCase):
   def test_multihead_self_attention(self):
     rng = random.key(0)

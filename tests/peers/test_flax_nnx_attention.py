@@ -56,6 +56,12 @@ except ImportError:
   from jax.experimental import enable_x64
 
 
+# flax's own tests, adapted: the full suite runs them, the fast tier does not.
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
 class TestMultiHeadAttention(parameterized.TestCase):
   def test_basic(self):
     module = qkv_jax.nnx.MultiHeadAttention(
