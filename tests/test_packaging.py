@@ -25,10 +25,11 @@ def test_install_puts_only_qkv_jax_into_site_packages(tmp_path):
         cwd=tmp_path,
     )
     (wheel,) = wheels.glob("qkv_jax-*.whl")
-    subprocess.run(
+    install = subprocess.run(
         [*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
         check=True,
         capture_output=True,
+        text=True,
     )
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -37,8 +38,13 @@ def test_install_puts_only_qkv_jax_into_site_packages(tmp_path):
         text=True,
     ).stdout.strip()
     installed = {path.name for path in pathlib.Path(purelib).iterdir()}
-    assert "qkv_jax" in installed
+    assert "qkv_jax" in installed, (
+        purelib,
+        sorted(installed),
+        install.stdout[-2000:],
+        install.stderr[-2000:],
+    )
     assert not installed & {"configs", "experiments", "benchmarks", "docs", "tests"}, sorted(installed)
     package = pathlib.Path(purelib) / "qkv_jax"
     assert (package / "py.typed").exists()
-    assert sorted(p.name for p in (package / "training" / "explorer_assets").iterdir())  # the page's assets
+    assert sorted(p.name for p in (package / "report" / "explorer_assets").iterdir())  # the page's assets
