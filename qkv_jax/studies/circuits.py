@@ -47,7 +47,7 @@ from qkv_jax.studies.grid import apply_overrides
 from qkv_jax.studies.language_model import arm_name
 from qkv_jax.studies.mechanisms import FORMED, induction_probe
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import repeat_batch
 from qkv_jax.tasks.transformer import layer_attention, make_model
@@ -461,16 +461,22 @@ def distinct_patterns(divergence: Any, threshold: float = DISTINCT) -> int:
     return largest(tuple(range(divergence.shape[0])))
 
 
+def held_out_windows(setup: Setup, study: str, seed: int, count: int) -> tuple[TransformerLM, jax.Array]:
+    """The char LM task's model and `count` fixed windows `[count, T]` cut from its held-out text as
+    training batches are cut from the training text; ConfigError naming `study` for another task."""
+    model = setup.model
+    if not isinstance(model, TransformerLM) or "validation" not in setup.data:
+        raise ConfigError(f"{study} needs the char LM task, got model {type(model).__name__}")
+    held_out = {**setup.data, "train": setup.data["validation"]}
+    return model, setup.sample_batch(jax.random.PRNGKey(seed), held_out)["inputs"][:count]
+
+
 def kv_views_probe(setup: Setup) -> Any:
     """probe(params) -> each head's W_QK effective rank `qk_effective_rank` `[L, N]` (LayerNorms
     folded in) and `pattern_divergence` `[L, N, N]` per layer on the first VIEW_WINDOWS of a
     fixed batch cut from the held-out text as training batches are cut from the training text
     (the char LM's `data["validation"]`)."""
-    model = setup.model
-    if not isinstance(model, TransformerLM) or "validation" not in setup.data:
-        raise ConfigError(f"the K/V views study needs the char LM task, got model {type(model).__name__}")
-    held_out = {**setup.data, "train": setup.data["validation"]}
-    windows = setup.sample_batch(jax.random.PRNGKey(20260005), held_out)["inputs"][:VIEW_WINDOWS]  # (W, T)
+    model, windows = held_out_windows(setup, "the K/V views study", 20260005, VIEW_WINDOWS)  # (W, T)
 
     def probe(params: Any) -> dict:
         layers = layer_attention(model, params, windows)  # [(B, N, T, T) per block]
@@ -574,16 +580,9 @@ def kv_views(base: dict, workdir: pathlib.Path, cells: list[dict], seeds: list[i
 # --- Tables and plots -------------------------------------------------------------------------
 
 
-def _interval(stats: dict | None, digits: int = 3, signed: bool = False) -> str:
-    if stats is None:
-        return "-"
-    form = f"{'+' if signed else ''}.{digits}g"
-    return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"
-
-
 def _change(stats: dict | None) -> str:
     """A paired difference's mean [95% CI], signed."""
-    return _interval(stats, 3, signed=True)
+    return format_interval(stats, 3, signed=True)
 
 
 FLAG_LABELS = {
@@ -611,7 +610,8 @@ def _flag_reader_table(results: dict) -> list[str]:
         s = results["summary"][name]
         label += f" (at most {min(results['d_model'], results['d_k'])})" if name == "effective_rank" else ""
         lines.append(
-            f"| {label} | {_interval(s['before'])} | {_interval(s['after'])} | {_change(s['change'])} |"
+            f"| {label} | {format_interval(s['before'])} | {format_interval(s['after'])} | "
+            f"{_change(s['change'])} |"
         )
     lines += [
         "",
@@ -681,7 +681,8 @@ def _induction_composition_table(results: dict) -> list[str]:
     for name, label in (("risen", "risen (half the change)"), ("steepest", "steepest rise")):
         t = results[name]
         lines.append(
-            f"| {label} | {t['seeds']} | {_interval(t['induction'], 4)} | {_interval(t['composition'], 4)} "
+            f"| {label} | {t['seeds']} | {format_interval(t['induction'], 4)} | "
+            f"{format_interval(t['composition'], 4)} "
             f"| {_change(t['composition_minus_induction'])} |"
         )
     if "patch_induction_head" not in results:
@@ -697,7 +698,7 @@ def _induction_composition_table(results: dict) -> list[str]:
         "| induction minus previous-token head (paired) |",
         "|---|---|---|---|---|",
         "| "
-        + " | ".join(_interval(results[name]) for name in PATCH_NAMES)
+        + " | ".join(format_interval(results[name]) for name in PATCH_NAMES)
         + f" | {_change(results['patch_induction_minus_previous'])} |",
     ]
 
@@ -728,7 +729,7 @@ def _induction_composition_plot(results: dict, axes: Any) -> None:
 
 def _through(intervals: dict, name: str) -> str:
     """'before -> after training' of a measure with `<name>_before` and `<name>` intervals."""
-    return f"{_interval(intervals[f'{name}_before'])} -> {_interval(intervals[name])}"
+    return f"{format_interval(intervals[f'{name}_before'])} -> {format_interval(intervals[name])}"
 
 
 def _kv_views_table(results: dict) -> list[str]:
@@ -746,12 +747,12 @@ def _kv_views_table(results: dict) -> list[str]:
     ]
     for r in results["rows"]:
         intervals, minus = r["intervals"], r["minus_mha"]
-        per_layer = "; ".join(_interval(s, 3) for s in r["views_per_layer_interval"])
+        per_layer = "; ".join(format_interval(s, 3) for s in r["views_per_layer_interval"])
         lines.append(
             f"| {r['arm']} | {per_layer} | {_change(minus[f'views_{threshold}'])} "
             f"| {_through(intervals, 'mean_divergence')} | {_change(minus['mean_divergence'])} "
             f"| {_through(intervals, 'qk_effective_rank')} | {_change(minus['qk_effective_rank_change'])} "
-            f"| {_interval(intervals['val_bits_per_char'], 4)} |"
+            f"| {format_interval(intervals['val_bits_per_char'], 4)} |"
         )
     lines += [
         "",
@@ -762,7 +763,7 @@ def _kv_views_table(results: dict) -> list[str]:
     ]
     for r in results["rows"]:
         cells = [
-            f"{_interval(r['intervals'][f'views_{t}'])}; {_change(r['minus_mha'][f'views_{t}'])}"
+            f"{format_interval(r['intervals'][f'views_{t}'])}; {_change(r['minus_mha'][f'views_{t}'])}"
             for t in results["thresholds"]
         ]
         lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")

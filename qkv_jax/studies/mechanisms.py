@@ -32,7 +32,7 @@ from qkv_jax.diagnostics import (
 from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import apply_overrides
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval
+from qkv_jax.studies.stats import format_interval, mean_interval
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import Setup, build_setup
@@ -181,17 +181,14 @@ def _thermostat_table(results: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
-        cells = [_interval(r["at_init"][name]) for name in names]
+        cells = [format_interval(r["at_init"][name]) for name in names]
         lines.append(
             f"| {r['d_k']} | {'1/sqrt(d_k)' if r['scaled'] else 'none'} | "
             + " | ".join(cells)
-            + f" | {_interval(r['steps_to_loss_below_1e-2'])} | {_interval(r['final_accuracy'])} |"
+            + f" | {format_interval(r['steps_to_loss_below_1e-2'])} "
+            + f"| {format_interval(r['final_accuracy'])} |"
         )
     return ["At initialisation (mean [95% CI] over seeds):", "", *lines]
-
-
-def _interval(stats: dict, digits: int = 3) -> str:
-    return f"{stats['mean']:.{digits}g} [{stats['low']:.{digits}g}, {stats['high']:.{digits}g}]"
 
 
 def _thermostat_plot(results: dict, axes: Any) -> None:

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkv_jax.lm import TransformerLM
+from qkv_jax.studies.circuits import held_out_windows
 from qkv_jax.studies.grid import cell_name
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import Setup
@@ -70,11 +70,7 @@ def head_measures(weights: jax.Array) -> dict[str, jax.Array]:
 def sink_probe(setup: Setup) -> Any:
     """probe(params) -> `head_measures` per layer (`first_token`, ... `[L, N]`) on the first
     WINDOWS windows of a fixed batch cut from the char LM's held-out text."""
-    model = setup.model
-    if not isinstance(model, TransformerLM) or "validation" not in setup.data:
-        raise ConfigError(f"the sinks study needs the char LM task, got model {type(model).__name__}")
-    held_out = {**setup.data, "train": setup.data["validation"]}
-    windows = setup.sample_batch(jax.random.PRNGKey(20260006), held_out)["inputs"][:WINDOWS]  # (W, T)
+    model, windows = held_out_windows(setup, "the sinks study", 20260006, WINDOWS)  # (W, T)
 
     def probe(params: Any) -> dict:
         layers = [head_measures(w) for w in layer_attention(model, params, windows)]
@@ -134,11 +130,6 @@ def sinks(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
     }
 
 
-def _interval(stats: dict, digits: int = 3, signed: bool = False) -> str:
-    form = f"{'+' if signed else ''}.{digits}g"
-    return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"
-
-
 def _sinks_table(results: dict) -> list[str]:
     lines = [
         "| arm | val bits/char | first-token share (before -> after) | most first-token head "
@@ -148,12 +139,13 @@ def _sinks_table(results: dict) -> list[str]:
     for r in results["rows"]:
         i, d = r["intervals"], r["minus_softmax"]
         lines.append(
-            f"| {r['arm']} | {_interval(i['val_bits_per_char'], 4)} "
-            f"| {_interval(i['first_token_before'])} -> {_interval(i['first_token'])} "
-            f"| {_interval(i['largest_first_token'])} | {_interval(i['entropy'])} "
-            f"| {_interval(i['sink_mass'])} "
-            f"| {_interval(d['val_bits_per_char'], 3, True)}, {_interval(d['first_token'], 3, True)}, "
-            f"{_interval(d['entropy'], 3, True)} |"
+            f"| {r['arm']} | {format_interval(i['val_bits_per_char'], 4)} "
+            f"| {format_interval(i['first_token_before'])} -> {format_interval(i['first_token'])} "
+            f"| {format_interval(i['largest_first_token'])} | {format_interval(i['entropy'])} "
+            f"| {format_interval(i['sink_mass'])} "
+            f"| {format_interval(d['val_bits_per_char'], 3, True)}, "
+            f"{format_interval(d['first_token'], 3, True)}, "
+            f"{format_interval(d['entropy'], 3, True)} |"
         )
     return lines + [
         "",

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["mean_interval", "paired_difference"]
+__all__ = ["format_interval", "mean_interval", "paired_difference"]
 
 
 def _t(level: float, df: int) -> float:
@@ -58,3 +58,15 @@ def paired_difference(
         "significant": not result["low"] <= 0.0 <= result["high"],
         "detectable": detectable,
     }
+
+
+def format_interval(stats: dict | None, digits: int = 3, signed: bool = False) -> str:
+    """'mean [low, high]' of a `mean_interval`/`paired_difference` record for a table, `digits`
+    significant digits (a leading sign with `signed`); the mean alone without an interval (one
+    value), '-' for None."""
+    if stats is None:
+        return "-"
+    form = f"{'+' if signed else ''}.{digits}g"
+    if stats.get("n", 2) < 2 or math.isnan(stats["low"]):
+        return f"{stats['mean']:{form}}"
+    return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"

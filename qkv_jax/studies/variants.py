@@ -22,7 +22,6 @@ study's, plus the evaluation accuracy). `STUDIES` holds their entries for the la
 
 from __future__ import annotations
 
-import math
 import pathlib
 from typing import Any
 
@@ -35,7 +34,7 @@ from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import apply_overrides, grid
 from qkv_jax.studies.mechanisms import FORMED, thermostat_probe
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import answer_metrics, repeat_batch
 from qkv_jax.tasks.transformer import layer_attention
@@ -174,15 +173,6 @@ def logit_scale(base: dict, workdir: pathlib.Path, cells: Any, seeds: list[int])
 # --- Tables and plots -------------------------------------------------------------------------
 
 
-def _interval(stats: dict | None, digits: int = 3, signed: bool = False) -> str:
-    if stats is None:
-        return "-"
-    form = f"{'+' if signed else ''}.{digits}g"
-    if stats["n"] < 2 or math.isnan(stats["low"]):
-        return f"{stats['mean']:{form}}"
-    return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"
-
-
 def _logit_scale_table(results: dict) -> list[str]:
     lines = [
         f"Mean [95% CI] over seeds. Converged: the evaluation accuracy first >= {results['threshold']:g} "
@@ -196,7 +186,7 @@ def _logit_scale_table(results: dict) -> list[str]:
         i = r["intervals"]
         lines.append(
             f"| {r['d_k']} | {r['arm']} | {sum(r['reached'])}/{len(r['reached'])} | "
-            + " | ".join(_interval(i[name]) for name in MEASURES)
+            + " | ".join(format_interval(i[name]) for name in MEASURES)
             + " |"
         )
     lines += [
@@ -217,7 +207,7 @@ def _logit_scale_table(results: dict) -> list[str]:
 
 
 def _change(stats: dict, digits: int = 3) -> str:
-    return _interval(stats, digits, signed=True) + (" *" if stats["significant"] else "")
+    return format_interval(stats, digits, signed=True) + (" *" if stats["significant"] else "")
 
 
 def _logit_scale_plot(results: dict, axes: Any) -> None:
@@ -382,7 +372,7 @@ def _positions_table(results: dict) -> list[str]:
         "|---|---|---|---|" + "---|---|" * len(lengths),
     ]
     for r in results["rows"]:
-        cells = [_interval(r["intervals"][name], 4) for name in results["measures"]]
+        cells = [format_interval(r["intervals"][name], 4) for name in results["measures"]]
         lines.append(f"| {r['arm']} | {sum(r['formed'])}/{len(r['formed'])} | " + " | ".join(cells) + " |")
     lines += [
         "",

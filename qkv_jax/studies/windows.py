@@ -22,7 +22,7 @@ from qkv_jax.lm import TransformerLM, kv_cache_bytes
 from qkv_jax.studies.grid import apply_overrides, cell_name
 from qkv_jax.studies.language_model import DECODE_BATCHES, decode_tokens_per_second
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import make_model
 from qkv_jax.training.validate import ConfigError
@@ -96,11 +96,6 @@ def windows(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
     }
 
 
-def _interval(stats: dict, digits: int = 4, signed: bool = False) -> str:
-    form = f"{'+' if signed else ''}.{digits}g"
-    return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"
-
-
 def _windows_table(results: dict) -> list[str]:
     batches = results["batches"]
     lines = [
@@ -112,7 +107,8 @@ def _windows_table(results: dict) -> list[str]:
     for r in results["rows"]:
         speeds = "".join(f"| {r[f'decode_tokens_per_s_batch{b}']:.0f} " for b in batches)
         lines.append(
-            f"| {r['arm']} | {_interval(r['val_bits_per_char'])} | {_interval(r['minus_global'], 3, True)} "
+            f"| {r['arm']} | {format_interval(r['val_bits_per_char'], 4)} | "
+            f"{format_interval(r['minus_global'], 3, True)} "
             f"| {r['cache_bytes']:,} {speeds}|"
         )
     return lines + [
