@@ -53,6 +53,16 @@ RELIABILITY_CASES: list[dict] = []
 COLLECTED_FILES: set[str] = set()
 
 
+def pytest_make_parametrize_id(config, val, argname):
+    """A string parameter longer than 100 characters is named by its first 100, whatever the
+    pytest version: pytest 9.1 started naming such parameters by the argument's name and
+    index instead, which changed test ids (and docs/reliability.md, which lists them) with
+    the installed version."""
+    if isinstance(val, str) and len(val) > 100:
+        return val[:100].encode("unicode_escape").decode("ascii")
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(area, case, behaviour): a row of docs/reliability.md")
 
