@@ -161,6 +161,9 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     section.normalize_qk = "none"
     # Soft-cap the attention logits at c: c * tanh(logits / c); unset = off.
     section.attn_logits_soft_cap = config_dict.placeholder(float)
+    # The factor of every attention logit q.k (jax.nn's `scale`); unset = 1/sqrt(head depth),
+    # 1.0 = unscaled.
+    section.attention_scale = config_dict.placeholder(float)
     # A learned sink logit per head and layer that takes attention weight and gives no value.
     section.sinks = False
     return section

@@ -570,8 +570,8 @@ def logit_scale() -> str:
             "measures the gradient of the loss at W_q on 8 fixed training batches and the attention "
             f"entropy on 2000 fixed evaluation examples, with the accuracy (the top-attended position is "
             f"the flagged one); steps to converge is the first probe step at which the accuracy is at "
-            f"least {record['threshold']:g} (`qkv_jax/studies/variants.py`). The char-LM half of the "
-            "question (validation bits/char with each arm) was not run.",
+            f"least {record['threshold']:g} (`qkv_jax/studies/variants.py`). The next section asks the "
+            "same question of a char LM.",
             "",
             f"**Command:** `{shown(LOGIT_SCALE_COMMAND)}`",
             "",
@@ -580,6 +580,126 @@ def logit_scale() -> str:
             f"![steps to converge per d_k, and the accuracy through training]({image})",
             "",
             f"**Answer.** {_logit_scale_answer(record)}",
+        ]
+    )
+
+
+# --- The same arms in the char LM ---------------------------------------------------------
+
+LOGIT_SCALE_LM_COMMAND = [
+    "experiments.study",
+    "logit_scale_lm",
+    "--workdir",
+    "runs/studies/logit_scale_lm",
+    "--seeds",
+    "3",
+    "--config.eval.ablation_examples=0",
+]
+
+
+def _lm_difference(row: dict, name: str) -> str:
+    """'+x [lo, hi] (worse|better)' of an arm's paired difference in bits/char."""
+    d = row["minus_reference"][name]
+    verdict = "" if not excludes_zero(d) else (", worse" if d["mean"] > 0 else ", better")
+    return f"{ci(d, 4, signed=True)}{verdict}"
+
+
+def _logit_scale_lm_answer(record: dict) -> str:
+    rows = record["rows"]
+    by = {(r["d_k"], r["arm"]): r for r in rows}
+    d_ks = sorted({r["d_k"] for r in rows}, reverse=True)
+    arms = [a for a in dict.fromkeys(r["arm"] for r in rows) if a != record["reference"]]
+
+    def significant(arm: str, sign: int) -> list[int]:
+        return [
+            d
+            for d in d_ks
+            if (d, arm) in by
+            and excludes_zero(by[d, arm]["minus_reference"]["val_bits_per_char"])
+            and sign * by[d, arm]["minus_reference"]["val_bits_per_char"]["mean"] > 0
+        ]
+
+    norm_alone, norm_scaled = "QK-norm (rms)", "QK-norm (rms) + 1/sqrt(d_k)"
+    worse, better = significant(norm_alone, +1), significant(norm_alone, -1)
+    if worse:
+        verdict = (
+            f"No. Without the scale, QK-norm ended with more validation bits/char than the scale alone at "
+            f"d_k = {_listed(worse)} (the paired interval excludes 0)"
+        )
+    elif better:
+        verdict = (
+            "QK-norm without the scale ended with fewer bits/char than the scale alone at "
+            f"d_k = {_listed(better)}"
+        )
+    else:
+        verdict = (
+            "Not within these intervals: QK-norm without the scale ended no differently from the scale "
+            "alone in validation bits/char at any d_k here"
+        )
+    scaled_worse = significant(norm_scaled, +1)
+    verdict += (
+        "; QK-norm with the scale was never worse than the scale alone"
+        if not scaled_worse
+        else f"; QK-norm with the scale was worse than the scale alone at d_k = {_listed(scaled_worse)}"
+    )
+    largest = d_ks[0]
+    entropy = {
+        arm: by[largest, arm]["intervals"]["entropy_init"]["mean"]
+        for arm in [record["reference"], *arms]
+        if (largest, arm) in by
+    }
+    details = []
+    for arm in arms:
+        parts = [
+            f"d_k = {d}: {_lm_difference(by[d, arm], 'val_bits_per_char')} bits/char at the end, "
+            f"{_lm_difference(by[d, arm], 'mean_probe_bits_per_char')} averaged through training"
+            for d in d_ks
+            if (d, arm) in by
+        ]
+        details.append(f"{arm}: " + "; ".join(parts))
+    return (
+        verdict
+        + f". At d_k = {largest} the attention rows start at "
+        + ", ".join(f"{e:.2f} nats with {arm}" for arm, e in entropy.items())
+        + f" (uniform over the last query's {record['seq_len']} keys: {math.log(record['seq_len']):.2f}; "
+        "earlier queries see fewer keys, so the mean is lower). Each arm minus the scale alone, "
+        "paired over seeds (mean [95% CI]): " + ". ".join(details) + "."
+    )
+
+
+def lm_logit_scale() -> str:
+    workdir = ROOT / LOGIT_SCALE_LM_COMMAND[3]
+    run(LOGIT_SCALE_LM_COMMAND)
+    record = json.loads((workdir / "results.json").read_text())
+    image = copy_image(workdir / "logit_scale_lm.png", "study_logit_scale_lm.png")
+    seeds = len(record["rows"][0]["seeds"])
+    return "\n".join(
+        [
+            "## Keeping a char LM's logits in range: QK-norm, the scale and a soft cap",
+            "",
+            "**Question.** The previous section's question in a language model: with QK-norm, is the "
+            "1/sqrt(d_k) scale still needed, and what do no scale and a soft cap cost in bits/char?",
+            "",
+            f"**Design.** `configs/char_lm.py:study` (2-layer TransformerLM, d_model {record['d_model']}, "
+            f"{record['seq_len']}-character windows, {record['train_steps']} AdamW steps on the standard "
+            "library) with one head (d_k = 128) and eight (d_k = 16), and the previous section's five arms "
+            "through the model section: `model.attention_scale=1.0` (no scale; unset is 1/sqrt(d_k)), "
+            "`model.normalize_qk=rms` and `model.attn_logits_soft_cap=5`. "
+            f"{seeds} seeds per cell trained together; seed s of every arm sees the same batches and starts "
+            "from the same values of the parameters the arms share, so each arm is compared with "
+            "1/sqrt(d_k) at the same d_k seed by seed (paired t intervals). Before training and every 50 "
+            "steps a probe (`logit_scale_lm_probe` in `qkv_jax/studies/variants.py`) measures the gradient "
+            "at every W_q on 8 fixed training batches, bits/char on one fixed held-out batch and the "
+            "attention entropy on 8 of its windows.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
+            f"`{shown(LOGIT_SCALE_LM_COMMAND)}`",
+            "",
+            *record["table"],
+            "",
+            f"![held-out bits/char and attention entropy through training]({image})",
+            "",
+            f"**Answer.** {_logit_scale_lm_answer(record)}",
         ]
     )
 
@@ -728,6 +848,121 @@ def positions() -> str:
 
 
 # --- What W_Q and W_K learn on the flag task -------------------------------------------------
+
+
+# --- Positions in the char LM ----------------------------------------------------------------
+
+POSITIONS_LM_COMMAND = [
+    "experiments.study",
+    "positions_lm",
+    "--workdir",
+    "runs/studies/positions_lm",
+    "--seeds",
+    "3",
+    "--config.model.max_len=512",
+    "--config.eval.ablation_examples=0",
+]
+
+
+def _positions_lm_answer(record: dict) -> str:
+    from qkv_jax.studies.stats import paired_difference
+
+    lengths, trained = record["lengths"], record["lengths"][0]
+    rows = {r["arm"]: r for r in record["rows"]}
+    at_trained = "; ".join(
+        f"{arm} {ci(r['intervals'][f'bits_per_char_{trained}'], 3)}"
+        + (
+            ""
+            if r["minus_reference"] is None
+            else f" ({ci(r['minus_reference'][f'bits_per_char_{trained}'], 3, signed=True)} against "
+            f"{record['reference']}"
+            + (
+                ", the interval excludes 0)"
+                if excludes_zero(r["minus_reference"][f"bits_per_char_{trained}"])
+                else ")"
+            )
+        )
+        for arm, r in rows.items()
+    )
+    longer = []
+    for arm, r in rows.items():
+        changes = []
+        for n in lengths[1:]:
+            change = paired_difference(r[f"bits_per_char_{n}"], r[f"bits_per_char_{trained}"])
+            changes.append(
+                f"{ci(r['intervals'][f'bits_per_char_{n}'], 3)} on positions {n // 2}-{n - 1} of "
+                f"{n} ({ci(change, 3, signed=True)} against its own {trained // 2}-{trained - 1} of {trained}"
+                + (", the interval excludes 0)" if excludes_zero(change) else ")")
+            )
+        longer.append(f"{arm}: " + "; ".join(changes))
+    formed = ", ".join(f"{arm} {sum(r['formed'])}/{len(r['formed'])}" for arm, r in rows.items())
+    induction = ", ".join(f"{arm} {ci(r['intervals']['final_induction'], 3)}" for arm, r in rows.items())
+    beyond = [
+        arm
+        for arm, r in rows.items()
+        if r["minus_reference"] is not None
+        and all(
+            excludes_zero(r["minus_reference"][f"bits_per_char_{n}"])
+            and r["minus_reference"][f"bits_per_char_{n}"]["mean"] > 0
+            for n in lengths[1:]
+        )
+    ]
+    verdict = (
+        f"Past the trained length {', '.join(beyond)} predicted worse than {record['reference']} at every "
+        "longer window (paired intervals exclude 0). "
+        if beyond
+        else f"No arm predicted significantly worse than {record['reference']} at every longer window. "
+    )
+    return (
+        verdict + f"Held-out bits/char at the trained length (positions {trained // 2}-{trained - 1} of "
+        f"{trained}-character windows): {at_trained}. "
+        "Read at longer windows (mean [95% CI] over seeds; the change is paired over the arm's own "
+        f"seeds): {'. '.join(longer)}. Strongest induction score above {record['threshold']:g} on "
+        f"repeated random characters within {record['train_steps']} steps: {formed} seeds; the final "
+        f"scores {induction}."
+    )
+
+
+def positions_lm() -> str:
+    workdir = ROOT / POSITIONS_LM_COMMAND[3]
+    run(POSITIONS_LM_COMMAND)
+    record = json.loads((workdir / "results.json").read_text())
+    image = copy_image(workdir / "positions_lm.png", "study_positions_lm.png")
+    seeds = len(record["rows"][0]["seeds"])
+    lengths = record["lengths"]
+    return "\n".join(
+        [
+            f"## Positions in the char LM: trained on {lengths[0]} characters, read at {lengths[1]} and "
+            f"{lengths[2]}",
+            "",
+            "**Question.** The previous section's question on real text: a char LM trained on "
+            f"{lengths[0]}-character windows with rotary, learned or no positions, asked to predict "
+            "characters at positions it never reached in training. Which signal carries over?",
+            "",
+            f"**Design.** `configs/char_lm.py:study` (2 layers, d_model 128, 8 heads, "
+            f"{record['train_steps']} AdamW steps) with `model.positions` rope, learned and none and "
+            f"max_len {record['max_len']}, so the learned table has a row for every position read "
+            f"(rows past {lengths[0]} never receive a gradient). {seeds} seeds per arm trained together; "
+            "seed s of every arm sees the same batches, so each arm is paired with RoPE seed by seed. "
+            f"Before training and every 50 steps a probe (`qkv_jax/studies/lm_positions.py`) scores "
+            f"{record['eval_windows']} fixed held-out windows of {lengths[0]}, {lengths[1]} and "
+            f"{lengths[2]} characters, each on its second half "
+            f"(positions {lengths[0] // 2}-{lengths[0] - 1}, "
+            f"{lengths[1] // 2}-{lengths[1] - 1} and {lengths[2] // 2}-{lengths[2] - 1}: in the longer "
+            "windows positions training never reached, with more context than any trained position), "
+            "and the strongest head's induction "
+            f"score on 16 random character sequences of {lengths[0] // 2} repeated once.",
+            "",
+            f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
+            f"`{shown(POSITIONS_LM_COMMAND)}`",
+            "",
+            *record["table"],
+            "",
+            f"![induction through training, and bits/char per window length]({image})",
+            "",
+            f"**Answer.** {_positions_lm_answer(record)}",
+        ]
+    )
 
 
 def flag_reader_circuit() -> str:
@@ -1902,7 +2137,9 @@ STUDIES: dict[str, Callable[[], str]] = {
     "flag_min_dk": flag_min_dk,
     "thermostat": thermostat,
     "logit_scale": logit_scale,
+    "lm_logit_scale": lm_logit_scale,
     "positions": positions,
+    "positions_lm": positions_lm,
     "flag_reader_circuit": flag_reader_circuit,
     "lm_causal_mask": lm_causal_mask,
     "lm_kv_heads": lm_kv_heads,

@@ -42,10 +42,16 @@ resumes: finished runs and sweep cells are read back, not retrained.
                  QK-norm without and with the scale, and a soft cap: steps until the
                  evaluation accuracy reaches 0.95, attention entropy and the gradient at
                  W_q at initialisation and through training, each paired against 1/sqrt(d_k).
+  logit_scale_lm the same five arms in the char LM at d_k 128 (1 head) and 16 (8 heads):
+                 validation bits/char, held-out bits/char through training, attention
+                 entropy and the gradient at W_q, each paired against 1/sqrt(d_k).
   positions      (a sequences.py:repeat config) RoPE, learned and no positions trained at
                  2 * task.length tokens: when the strongest induction score passes 0.5, and
                  loss and accuracy on the repeated half at that length and at 2x and 4x it
                  (model.max_len must hold 4x), each paired against RoPE.
+  positions_lm   the same three arms in the char LM (--config.model.max_len=512 for its
+                 128-character windows): held-out bits/char at 1x, 2x and 4x the trained
+                 length, and the strongest induction score through training.
   flag_reader    (a flag_retrieval config, the learned-query reader) the learned query's
                  direction against the flag channel (cosine) and W_QK's singular values
                  and effective rank through training.

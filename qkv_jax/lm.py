@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import chex
@@ -141,6 +142,9 @@ class TransformerConfig:
         parameters are query_ln/key_ln either way.
       attn_logits_soft_cap: c, the attention logits become c * tanh(logits / c)
         (None: off).
+      attention_scale: the factor of every attention logit q.k (jax.nn's
+        `scale`): None is 1/sqrt(head_dim); 1.0 leaves the logits unscaled.
+        Applied before the soft cap, with or without normalize_qk.
       sinks: a learned sink logit per head and layer (`sinks` `[num_heads]`,
         zero at init) in the softmax's denominator: it takes weight and gives
         no value.
@@ -176,6 +180,7 @@ class TransformerConfig:
     window: int | tuple[int | None, ...] | None = None
     normalize_qk: bool | str = False
     attn_logits_soft_cap: float | None = None
+    attention_scale: float | None = None
     sinks: bool = False
 
     def __post_init__(self):
@@ -224,6 +229,11 @@ def _check_attention_variants(owner: str, config: TransformerConfig) -> None:
             "absorb_latent=False (a norm of the keys does not fold into the query)"
         )
     check_soft_cap(owner, config.attn_logits_soft_cap)
+    scale = config.attention_scale
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
+    ):
+        raise ValueError(f"{owner}: attention_scale={scale!r} must be a finite number > 0 (or None)")
     check_jax_nn_path(owner, config.attention_implementation, config.attn_logits_soft_cap, config.sinks)
     if not isinstance(config.sinks, bool):
         raise ValueError(f"{owner}: sinks={config.sinks!r} must be True or False")
@@ -266,6 +276,7 @@ def attention_options(config: TransformerConfig, layer: int = 0) -> dict[str, An
         rope_fraction=config.rope_fraction,
         normalize_qk=config.normalize_qk,
         attn_logits_soft_cap=config.attn_logits_soft_cap,
+        scale=config.attention_scale,
         use_sinks=config.sinks,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,

@@ -8,6 +8,7 @@ checked by identities the model must keep (cached decoding equals the full pass,
 linen, a packed row equals its documents run alone, decoding past max_len).
 """
 
+import dataclasses
 import functools
 import itertools
 import random
@@ -412,6 +413,49 @@ def test_a_packed_row_equals_its_documents_run_alone(positions):
     np.testing.assert_allclose(from_nnx, logits, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
+def test_attention_scale_multiplies_the_logits_in_the_full_pass_the_cache_and_nnx():
+    """attention_scale=s is the default model (1/sqrt(head_dim)) with W_q and b_q multiplied by
+    s * sqrt(head_dim): the logits are linear in the query (RoPE too). Checked in the full pass,
+    in cached decoding and in the nnx twin, with grouped K/V and RoPE."""
+    fields = dict(vocab_size=VOCAB, num_layers=LAYERS, d_model=D, num_heads=N, max_len=MAX_LEN)
+    scaled = lm.TransformerConfig(**fields, num_kv_heads=2, positions="rope", attention_scale=1.0)
+    plain = lm.TransformerLM(dataclasses.replace(scaled, attention_scale=None))
+    model = lm.TransformerLM(scaled)
+    params = random_params(model)
+    factor = 1.0 * (D // N) ** 0.5
+
+    def fold(name, block):  # W_q and b_q of every block times `factor`
+        if not name.startswith("block_"):
+            return block
+        query = jax.tree.map(lambda x: x * factor, block["attention"]["query"])
+        return {**block, "attention": {**block["attention"], "query": query}}
+
+    folded = {name: fold(name, block) for name, block in params.items()}
+
+    def step(cache, chunk):
+        logits, variables = model.apply(
+            {"params": params, "cache": cache}, chunk, decode=True, mutable=["cache"]
+        )
+        return logits, variables["cache"]
+
+    @compile_once
+    def run():
+        twin = qnnx.linen_to_nnx({"params": params}, qnnx.TransformerLM(scaled, rngs=nnx.Rngs(0)))
+        return (
+            model.apply({"params": params}, TOKENS),
+            plain.apply({"params": folded}, TOKENS),
+            decode_in_chunks(step, lm.init_cache(model, B), TOKENS),
+            twin(TOKENS),
+        )
+
+    logits, plain_logits, decoded, from_nnx = run()
+    np.testing.assert_allclose(logits, plain_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(decoded, logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(from_nnx, logits, atol=1e-6, rtol=1e-6)
+    assert not np.allclose(logits, plain.apply({"params": params}, TOKENS), atol=1e-3)  # it matters
+
+
 # ----------------------------------------------------------------------------------- refusals
 
 
@@ -429,6 +473,8 @@ def test_a_packed_row_equals_its_documents_run_alone(positions):
         (dict(normalize_qk="rms", kv_latent_dim=8), "normalize_qk='rms' with kv_latent_dim=8 needs"),
         (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap=-1.0 must be a finite number > 0"),
         (dict(sinks=1), "sinks=1 must be True or False"),
+        (dict(attention_scale=0.0), "attention_scale=0.0 must be a finite number > 0"),
+        (dict(attention_scale=True), "attention_scale=True must be a finite number > 0"),
         (
             dict(sinks=True, attention_implementation="xla"),
             "attention_implementation='xla' .jax.nn's. has no",
@@ -478,8 +524,9 @@ def test_segment_ids_are_refused_when_decoding():
 def test_the_model_section_spells_every_variant():
     section = common.transformer(num_layers=3, d_model=D, num_heads=N, max_len=MAX_LEN).to_dict()
     section.update(positions="rope", rope_fraction=0.5, window="5, full", normalize_qk="rms", sinks=True)
-    section.update(attn_logits_soft_cap=30.0)
+    section.update(attn_logits_soft_cap=30.0, attention_scale=1.0)
     config = transformer_config(section, VOCAB)
+    assert config.attention_scale == 1.0 and lm.attention_options(config)["scale"] == 1.0
     assert (config.positions, config.rope_base, config.rope_fraction) == ("rope", 10000.0, 0.5)
     assert config.window == (5, None) and lm.layer_windows(config) == (5, None, 5)
     assert (config.normalize_qk, config.attn_logits_soft_cap, config.sinks) == ("rms", 30.0, True)
@@ -505,6 +552,7 @@ def test_the_model_section_spells_every_variant():
         ("positions", "alibi", "model.positions='alibi' must be one of learned, rope, none"),
         ("rope_base", float("inf"), "model.rope_base=inf must be a finite number > 0"),
         ("attn_logits_soft_cap", float("nan"), "model.attn_logits_soft_cap=nan must be a finite number"),
+        ("attention_scale", -1.0, "model.attention_scale=-1.0 must be a finite number > 0"),
     ],
 )
 def test_the_model_section_refuses_in_one_line_naming_the_field(field, value, message):

@@ -7,6 +7,7 @@ of this module's time (importing transformer_lens takes several seconds).
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -209,3 +210,25 @@ def test_state_dict_has_transformer_lens_layout():
     assert state["unembed.W_U"].shape == (32, 11) and not state["unembed.b_U"].any()
     with pytest.raises(TypeError, match="model must be a TransformerLM or TransformerConfig, got dict"):
         qkv_tl.transformer_lens_config({})
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (dict(positions="rope"), "positions='rope'"),
+        (dict(positions="none"), "positions='none'"),
+        (dict(window=(4, None)), "window=(4, None)"),
+        (dict(normalize_qk="rms"), "normalize_qk='rms'"),
+        (dict(attn_logits_soft_cap=5.0), "attn_logits_soft_cap=5.0"),
+        (dict(attention_scale=1.0), "attention_scale=1.0"),
+        (dict(sinks=True), "sinks=True"),
+    ],
+)
+def test_options_the_bridge_would_not_compute_are_refused(option, message):
+    """Each option TransformerLens's bridge has no form for is named, never converted into another
+    function; a window as long as max_len is global attention and converts."""
+    config = dataclasses.replace(CONFIGS["mha"], **option)
+    for convert in (qkv_tl.transformer_lens_config, lambda c: qkv_tl.transformer_lens_state_dict(c, {})):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            convert(config)
+    qkv_tl.transformer_lens_config(dataclasses.replace(CONFIGS["mha"], window=CONFIGS["mha"].max_len))

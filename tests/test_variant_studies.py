@@ -1,5 +1,5 @@
-"""The variant studies: logit_scale (its config's refusals and cells, its arms) and positions, each
-end to end."""
+"""The variant studies: logit_scale (its config's refusals and cells, its arms), its char LM half
+(logit_scale_lm), and positions with its char LM half (positions_lm), each end to end."""
 
 import math
 
@@ -7,18 +7,24 @@ import jax
 import numpy as np
 import pytest
 
-from configs import flag_retrieval, sequences
+from configs import char_lm, flag_retrieval, sequences
+from qkv_jax import lm
 from qkv_jax.studies.catalogue import STUDIES
 from qkv_jax.studies.grid import apply_overrides
+from qkv_jax.studies.lm_positions import positions_lm
 from qkv_jax.studies.results import write_study_results
 from qkv_jax.studies.variants import (
+    LM_CELLS,
     POSITION_CELLS,
     REFERENCE,
     logit_scale,
     logit_scale_arm,
+    logit_scale_lm,
+    logit_scale_lm_arm,
     logit_scale_probe,
     positions,
 )
+from qkv_jax.tasks.transformer import transformer_config
 from qkv_jax.training import ConfigError, build_setup
 from qkv_jax.training.setup import to_dict
 
@@ -165,3 +171,104 @@ def test_positions_study_end_to_end(tmp_path):
     )
     assert any(line.startswith("| learned |") for line in record["table"])
     assert (tmp_path / "positions.png").exists()
+
+
+# ------------------------------------------------------------------- logit_scale_lm (the char LM)
+
+
+def tiny_char_lm(tmp_path) -> dict:
+    corpus = tmp_path / "code.txt"
+    corpus.write_text("".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400)))
+    config = char_lm.get_config("study")
+    config.data.path = str(corpus)
+    config.model.update(num_layers=1, d_model=16, max_len=32)
+    config.task.seq_len = 32
+    config.train.update(steps=10, log_every=5, checkpoint_every=10, batch_size=8)
+    config.eval.update(num_examples=8, sample_length=8, ablation_examples=0)
+    return to_dict(config)
+
+
+def test_logit_scale_lm_cells_are_the_flag_arms_at_two_head_depths(tmp_path):
+    base = tiny_char_lm(tmp_path)
+    arms: dict[int, list[str]] = {}
+    for cell in LM_CELLS:
+        model = transformer_config(apply_overrides(base, cell)["model"], 16)  # every cell is accepted
+        d_k = model.d_model // model.num_heads
+        arms.setdefault(d_k, []).append(logit_scale_lm_arm(apply_overrides(base, cell)["model"]))
+        scale = lm.attention_options(model)["scale"]
+        assert (scale is None) == ("1/sqrt(d_k)" in arms[d_k][-1])
+    assert sorted(arms) == [2, 16]  # d_model 16: one head of 16, eight of 2
+    for names in arms.values():
+        assert names == ["no scale", REFERENCE, "QK-norm (rms)", "QK-norm (rms) + 1/sqrt(d_k)", "soft cap 5"]
+    # the pairing: at one d_k and seed every arm starts from the same values of the shared parameters
+    one_head = [cell for cell in LM_CELLS if cell["model.num_heads"] == 1]
+    inits = [jax.jit(build_setup(apply_overrides(base, c)).init)(jax.random.PRNGKey(3)) for c in one_head]
+    shared = jax.tree.map(np.asarray, inits[1])  # the scale alone: no query_ln/key_ln
+    for params in inits:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(shared):
+            mine = params
+            for key in path:
+                mine = mine[key.key]
+            np.testing.assert_array_equal(mine, leaf)
+
+
+@pytest.mark.slow
+def test_logit_scale_lm_study_pairs_each_arm_with_the_scale(tmp_path):
+    base = tiny_char_lm(tmp_path)
+    cells = [cell for cell in LM_CELLS if cell["model.num_heads"] == 1][:3]
+    results = logit_scale_lm(base, tmp_path, [0, 1], cells)
+    assert [r["arm"] for r in results["rows"]] == ["no scale", REFERENCE, "QK-norm (rms)"]
+    for row in results["rows"]:
+        assert row["steps"] == [0, 5, 10] and row["d_k"] == 16 and len(row["val_bits_per_char"]) == 2
+        assert (row["minus_reference"] is None) == (row["arm"] == REFERENCE)
+        assert all(0 < e <= math.log(32) + 1e-5 for e in row["entropy_init"])
+    unscaled, scaled = results["rows"][0], results["rows"][1]
+    # RMS-normalised or raw, q.k without 1/sqrt(d_k) starts more peaked than with it
+    assert max(unscaled["entropy_init"]) < min(scaled["entropy_init"])
+    difference = unscaled["minus_reference"]["val_bits_per_char"]
+    expected = [
+        a - b for a, b in zip(unscaled["val_bits_per_char"], scaled["val_bits_per_char"], strict=True)
+    ]
+    assert difference["mean"] == pytest.approx(sum(expected) / 2)
+    record = write_study_results(
+        tmp_path, results, "python -m experiments.study logit_scale_lm", STUDIES["logit_scale_lm"]
+    )
+    assert any(line.startswith("| 16 (1) | no scale |") for line in record["table"])
+    assert (tmp_path / "logit_scale_lm.png").exists()
+
+
+# --------------------------------------------------------------------- positions_lm (the char LM)
+
+
+def test_positions_lm_study_refusals(tmp_path):
+    base = tiny_char_lm(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.max_len=32: .* up to 128 characters"):
+        positions_lm(base, tmp_path, [0])  # windows of 32 read at 64 and 128
+    with pytest.raises(ConfigError, match="the positions_lm study needs the char LM"):
+        positions_lm(tiny_repeat(128), tmp_path, [0])
+
+
+@pytest.mark.slow
+def test_positions_lm_study_pairs_each_arm_with_rope(tmp_path):
+    base = tiny_char_lm(tmp_path)
+    base["task"]["seq_len"] = 16
+    base["model"]["max_len"] = 64
+    results = positions_lm(base, tmp_path, [0, 1])
+    assert results["lengths"] == [16, 32, 64]
+    assert [r["arm"] for r in results["rows"]] == ["rope", "learned", "none"]
+    for row in results["rows"]:
+        assert row["steps"] == [0, 5, 10] and len(row["bits_per_char_64"]) == 2
+        assert all(0.0 <= s <= 1.0 for s in row["final_induction"])
+        assert all(0.0 < b < 8.0 for n in (16, 32, 64) for b in row[f"bits_per_char_{n}"])
+    learned = results["rows"][1]
+    difference = learned["minus_reference"]["bits_per_char_32"]
+    expected = [
+        a - b
+        for a, b in zip(learned["bits_per_char_32"], results["rows"][0]["bits_per_char_32"], strict=True)
+    ]
+    assert difference["mean"] == pytest.approx(sum(expected) / 2)
+    record = write_study_results(
+        tmp_path, results, "python -m experiments.study positions_lm", STUDIES["positions_lm"]
+    )
+    assert any("bits/char, positions 32-63 of 64" in line for line in record["table"])
+    assert (tmp_path / "positions_lm.png").exists()

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from qkv_jax.lm import TransformerConfig, TransformerLM
+from qkv_jax.lm import TransformerConfig, TransformerLM, layer_windows
 from qkv_jax.lora import has_adapters, merge_lora
 
 __all__ = ["transformer_lens_config", "transformer_lens_state_dict", "to_transformer_lens"]
@@ -57,16 +57,40 @@ def _config_of(model: TransformerLM | TransformerConfig) -> TransformerConfig:
     raise TypeError(f"model must be a TransformerLM or TransformerConfig, got {type(model).__name__}")
 
 
+def _check_expressible(config: TransformerConfig, caller: str) -> None:
+    """ValueError naming every option of `config` that the bridge built here would not compute:
+    converting such a model would give TransformerLens a different function, silently."""
+    windows = [w for w in layer_windows(config) if w is not None and w < config.max_len]
+    refused = {
+        f"positions={config.positions!r} (the bridge adds a learned table)": config.positions != "learned",
+        f"window={config.window!r}": bool(windows),
+        f"normalize_qk={config.normalize_qk!r}": bool(config.normalize_qk),
+        f"attn_logits_soft_cap={config.attn_logits_soft_cap!r}": config.attn_logits_soft_cap is not None,
+        f"attention_scale={config.attention_scale!r} (the bridge divides by sqrt(d_head))": (
+            config.attention_scale is not None
+        ),
+        "sinks=True": config.sinks,
+    }
+    named = [name for name, set_ in refused.items() if set_]
+    if named:
+        raise ValueError(
+            f"{caller}: {', '.join(named)}: no form in the TransformerLens bridge built here; it "
+            "converts learned positions, global attention, no QK-norm, cap or sinks, and 1/sqrt(d_head)"
+        )
+
+
 def transformer_lens_config(model: TransformerLM | TransformerConfig) -> Any:
     """The `transformer_lens.config.TransformerBridgeConfig` of `model` (a TransformerLM or its config).
 
     Weights are not initialised on boot (`init_weights=False`): they come from
-    `transformer_lens_state_dict`.
+    `transformer_lens_state_dict`. ValueError for a model whose options the bridge would not
+    compute (RoPE or no positions, windows, QK-norm, a soft cap, another logit scale, sinks).
     """
     _, _ = _import_transformer_lens()
     from transformer_lens.config import TransformerBridgeConfig
 
     config = _config_of(model)
+    _check_expressible(config, "transformer_lens_config")
     return TransformerBridgeConfig(
         d_model=config.d_model,
         d_head=config.d_model // config.num_heads,
@@ -134,6 +158,7 @@ def transformer_lens_state_dict(model: TransformerLM | TransformerConfig, params
     """
     torch, _ = _import_transformer_lens()
     config = _config_of(model)
+    _check_expressible(config, "transformer_lens_state_dict")
     params = params.get("params", params)
     if has_adapters(params):
         params = merge_lora(params, config.lora_alpha)

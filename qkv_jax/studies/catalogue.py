@@ -7,7 +7,16 @@ with the command that regenerates them.
 
 from __future__ import annotations
 
-from qkv_jax.studies import circuits, finetuning, language_model, mechanisms, sinks, variants, windows
+from qkv_jax.studies import (
+    circuits,
+    finetuning,
+    language_model,
+    lm_positions,
+    mechanisms,
+    sinks,
+    variants,
+    windows,
+)
 from qkv_jax.studies.results import Study
 
 __all__ = ["STUDIES"]
@@ -18,6 +27,7 @@ STUDIES: dict[str, Study] = {
     **finetuning.STUDIES,
     **circuits.STUDIES,
     **variants.STUDIES,
+    **lm_positions.STUDIES,
     **sinks.STUDIES,
     **windows.STUDIES,
 }

@@ -48,7 +48,7 @@ INDUCTION_SEQUENCES = 32  # repeated random sequences the induction scores are m
 FORMED = 0.5  # an induction head has "formed" once its score passes this
 
 
-def _projection_norm(grads: Any, names: tuple[str, ...]) -> jax.Array:
+def projection_norm(grads: Any, names: tuple[str, ...]) -> jax.Array:
     """L2 norm of the gradient of every kernel whose module is named one of `names`."""
     squares = [
         jnp.sum(leaf**2)
@@ -77,9 +77,9 @@ def thermostat_probe(setup: Setup) -> Any:
         grads = jax.grad(mean_loss)(params)
         metrics, _ = setup.evaluate(params, key, setup.data)
         return {
-            "grad_query": _projection_norm(grads, ("W_query", "query")),
-            "grad_query_per_scale": _projection_norm(grads, ("W_query", "query")) / scale,
-            "grad_key": _projection_norm(grads, ("W_key", "key")),
+            "grad_query": projection_norm(grads, ("W_query", "query")),
+            "grad_query_per_scale": projection_norm(grads, ("W_query", "query")) / scale,
+            "grad_key": projection_norm(grads, ("W_key", "key")),
             "entropy": metrics["entropy"],
             "max_weight": metrics["head_max_weight"].mean(),
         }

@@ -8,13 +8,18 @@
                                             and the gradient reaching W_q at initialisation and
                                             through training, each arm against 1/sqrt(d_k) on
                                             the same seeds (paired 95% intervals).
+  logit_scale_lm(base, workdir, seeds)      the same arms in the char LM (configs/char_lm.py:
+                                            study) at d_k 128 (1 head) and 16 (8 heads):
+                                            validation bits/char, held-out bits/char through
+                                            training, attention entropy and the gradient at
+                                            W_q, paired against 1/sqrt(d_k).
   positions(base, workdir, seeds)           the repeat task's LM with RoPE, learned or no
                                             positions, trained at one length: when the
                                             strongest induction score passes FORMED, and the
                                             loss and accuracy on the repeated half at the
                                             trained length and at 2x and 4x it, against RoPE.
 
-Both train through the sweep launcher (`run_sweep`: seeds vmapped, cells resumable) with a
+All train through the sweep launcher (`run_sweep`: seeds vmapped, cells resumable) with a
 probe measured before training and after every compiled chunk (logit_scale: the thermostat
 study's, plus the evaluation accuracy). `STUDIES` holds their entries for the launcher
 (experiments/study.py).
@@ -32,8 +37,9 @@ import numpy as np
 from qkv_jax.diagnostics import induction_scores, repeated_sequence
 from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import apply_overrides, grid
-from qkv_jax.studies.mechanisms import FORMED, thermostat_probe
+from qkv_jax.studies.mechanisms import FORMED, PROBE_BATCHES, projection_norm, thermostat_probe
 from qkv_jax.studies.results import Study
+from qkv_jax.studies.sinks import SOFT_CAP, head_measures
 from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import answer_metrics, repeat_batch
@@ -45,9 +51,13 @@ __all__ = [
     "CONVERGED",
     "REFERENCE",
     "POSITION_CELLS",
+    "POSITION_REFERENCE",
     "logit_scale_arm",
     "logit_scale_probe",
     "logit_scale",
+    "LM_CELLS",
+    "logit_scale_lm_probe",
+    "logit_scale_lm",
     "positions_probe",
     "positions",
     "STUDIES",
@@ -422,12 +432,191 @@ def _positions_plot(results: dict, axes: Any) -> None:
     axes[0].legend(fontsize=7)
 
 
+# --- logit_scale_lm: the same arms in the char LM ----------------------------------------------
+
+# (attention_scale, normalize_qk, attn_logits_soft_cap) per arm, in logit_scale's order.
+LM_ARMS: list[dict[str, Any]] = [
+    {"model.attention_scale": 1.0, "model.normalize_qk": "none", "model.attn_logits_soft_cap": None},
+    {"model.attention_scale": None, "model.normalize_qk": "none", "model.attn_logits_soft_cap": None},
+    {"model.attention_scale": 1.0, "model.normalize_qk": "rms", "model.attn_logits_soft_cap": None},
+    {"model.attention_scale": None, "model.normalize_qk": "rms", "model.attn_logits_soft_cap": None},
+    {"model.attention_scale": 1.0, "model.normalize_qk": "none", "model.attn_logits_soft_cap": SOFT_CAP},
+]
+# Heads at d_model 128: 1 head of d_k = 128 first (where the arms differ most), then 8 of 16.
+LM_HEADS = (1, 8)
+LM_CELLS = [{"model.num_heads": heads, **arm} for heads in LM_HEADS for arm in LM_ARMS]
+LM_WINDOWS = 8  # held-out windows the attention entropy is measured on
+LM_MEASURES = (
+    "val_bits_per_char",
+    "mean_probe_bits_per_char",
+    "entropy_init",
+    "entropy_end",
+    "log10_grad_query_init",
+    "log10_grad_query_training",
+)
+
+
+def logit_scale_lm_arm(model: dict) -> str:
+    """The arm's name from a char LM config's model section (logit_scale_arm's names)."""
+    return logit_scale_arm({**model, "scaled": model.get("attention_scale") is None})
+
+
+def logit_scale_lm_probe(setup: Setup) -> Any:
+    """probe(params) -> the norm of the loss gradient at every W_q (on PROBE_BATCHES fixed
+    training batches), bits/char on a fixed held-out batch, and the attention entropy (nats,
+    mean over heads and layers; sinks' `head_measures`) on LM_WINDOWS of its windows."""
+    model = setup.model
+    if not isinstance(model, TransformerLM) or "validation" not in setup.data:
+        raise ConfigError(
+            f"the logit_scale_lm study needs the char LM task, got model {type(model).__name__}"
+        )
+    keys = jax.random.split(jax.random.PRNGKey(20260001), PROBE_BATCHES)
+    batches = jax.vmap(setup.sample_batch, in_axes=(0, None))(keys, setup.data)
+    held_out = setup.sample_batch(
+        jax.random.PRNGKey(20260007), {**setup.data, "train": setup.data["validation"]}
+    )
+    key = jax.random.PRNGKey(0)  # dropout's, unused at rate 0
+
+    def mean_loss(params: Any) -> jax.Array:
+        return jax.vmap(lambda batch: setup.loss(params, batch, key)[0])(batches).mean()
+
+    def probe(params: Any) -> dict:
+        layers = layer_attention(model, params, held_out["inputs"][:LM_WINDOWS])
+        entropy = jnp.stack([head_measures(w)["entropy"] for w in layers])  # (L, N)
+        return {
+            "grad_query": projection_norm(jax.grad(mean_loss)(params), ("query",)),
+            "bits_per_char": setup.loss(params, held_out, key)[0] / jnp.log(2.0),
+            "entropy": entropy.mean(),
+        }
+
+    return probe
+
+
+def _lm_cell_measures(config: dict, row: dict) -> dict:
+    """One char LM cell's per-seed measures (lists in seed order) and its curves."""
+    probes = row["probes"]
+    grad = np.asarray(probes["grad_query"])  # (probes, seeds)
+    entropy = np.asarray(probes["entropy"])
+    bits = np.asarray(probes["bits_per_char"])
+    model = config["model"]
+    return {
+        "d_k": model["d_model"] // model["num_heads"],
+        "num_heads": model["num_heads"],
+        "arm": logit_scale_lm_arm(model),
+        "seeds": row["seeds"],
+        "steps": probes["step"],
+        "val_bits_per_char": list(row["eval_val_bits_per_char"]),
+        # the mean over the probes after step 0: lower is faster learning as well as a lower end
+        "mean_probe_bits_per_char": bits[1:].mean(axis=0).tolist(),
+        "entropy_init": entropy[0].tolist(),
+        "entropy_end": entropy[-1].tolist(),
+        "log10_grad_query_init": np.log10(grad[0]).tolist(),
+        "log10_grad_query_training": np.log10(grad.mean(axis=0)).tolist(),
+        "bits_curve": bits.mean(axis=1).tolist(),
+        "entropy_curve": entropy.mean(axis=1).tolist(),
+    }
+
+
+def logit_scale_lm(
+    base: dict, workdir: pathlib.Path, seeds: list[int], cells: list[dict] | None = None
+) -> dict:
+    """`cells` (default LM_CELLS) over `seeds` (each cell's seeds trained together, on the same
+    batches from the same initial values of the shared parameters): per cell the measures with
+    95% intervals and, at each d_k, the paired difference from the 1/sqrt(d_k) arm. Cells that
+    did not finish are left out (run again to finish them)."""
+    cells = LM_CELLS if cells is None else cells
+    rows = run_sweep(
+        base, workdir / "sweep", cells, seeds, metric="eval_val_bits_per_char", probe_for=logit_scale_lm_probe
+    )
+    done = {_cell_key(r["cell"]): r for r in rows if r["status"] == "done"}
+    results = [
+        _lm_cell_measures(apply_overrides(base, cell), done[_cell_key(cell)])
+        for cell in cells
+        if _cell_key(cell) in done
+    ]
+    if not results:
+        raise ConfigError(f"the logit_scale_lm study: no cell finished; the first: {rows[0]['status']}")
+    for result in results:
+        reference = next((r for r in results if r["d_k"] == result["d_k"] and r["arm"] == REFERENCE), None)
+        result["intervals"] = {name: mean_interval(result[name]) for name in LM_MEASURES}
+        result["minus_reference"] = (
+            None
+            if reference is None or reference is result
+            else {name: paired_difference(result[name], reference[name]) for name in LM_MEASURES}
+        )
+    return {
+        "study": "logit_scale_lm",
+        "reference": REFERENCE,
+        "train_steps": base["train"]["steps"],
+        "seq_len": base["task"]["seq_len"],
+        "d_model": base["model"]["d_model"],
+        "eval_windows": base["eval"]["num_examples"],
+        "cells": len(cells),
+        "rows": results,
+        "wall_time_s": sum(r.get("wall_time_s", 0.0) for r in rows),
+    }
+
+
+def _logit_scale_lm_table(results: dict) -> list[str]:
+    lines = [
+        "| d_k (heads) | arm | val bits/char | mean held-out bits/char over training | entropy at init "
+        "(nats) | entropy at end | log10 gradient at W_q, init | log10 of its mean through training |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        i = r["intervals"]
+        lines.append(
+            f"| {r['d_k']} ({r['num_heads']}) | {r['arm']} | "
+            + " | ".join(format_interval(i[name], 4 if "bits" in name else 3) for name in LM_MEASURES)
+            + " |"
+        )
+    lines += [
+        "",
+        f"Each arm minus {results['reference']} at the same d_k, paired over seeds (mean [95% CI]; * the "
+        "interval excludes 0):",
+        "",
+        "| d_k | arm | val bits/char | mean held-out bits/char | entropy at init | entropy at end "
+        "| log10 gradient ratio, init | log10 gradient ratio, mean through training |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        if r["minus_reference"] is not None:
+            cells = [_change(r["minus_reference"][name], 4 if "bits" in name else 3) for name in LM_MEASURES]
+            lines.append(f"| {r['d_k']} | {r['arm']} | " + " | ".join(cells) + " |")
+    return lines + [
+        "",
+        f"Mean [95% CI] over seeds. Val bits/char: the final evaluation ({results['eval_windows']} held-out "
+        "windows); mean "
+        "held-out bits/char: one fixed held-out batch at every probe after step 0, averaged (lower = "
+        "learned faster as well as further); entropy: attention rows on 8 held-out windows, mean over "
+        "heads and layers; gradient: |dL/dW_q| over every layer on 8 fixed training batches.",
+    ]
+
+
+def _logit_scale_lm_plot(results: dict, axes: Any) -> None:
+    largest = max(r["d_k"] for r in results["rows"])
+    for i, arm in enumerate(dict.fromkeys(r["arm"] for r in results["rows"])):
+        for r in results["rows"]:
+            if r["arm"] == arm and r["d_k"] == largest:
+                axes[0].plot(r["steps"][1:], r["bits_curve"][1:], color=f"C{i}", label=arm)
+                axes[1].plot(r["steps"], r["entropy_curve"], color=f"C{i}", label=arm)
+    axes[0].set(xlabel="step", ylabel="held-out bits/char", title=f"d_k = {largest}")
+    axes[1].set(xlabel="step", ylabel="attention entropy (nats)", title=f"d_k = {largest}")
+    axes[0].legend(fontsize=6)
+
+
 STUDIES = {
     "logit_scale": Study(
         "Keeping the attention logits in range: 1/sqrt(d_k), QK-norm, a soft cap",
         lambda base, workdir, options: logit_scale(base, workdir, options["cells"], options["seeds"]),
         _logit_scale_table,
         _logit_scale_plot,
+    ),
+    "logit_scale_lm": Study(
+        "Keeping a char LM's attention logits in range: 1/sqrt(d_k), QK-norm, a soft cap",
+        lambda base, workdir, options: logit_scale_lm(base, workdir, options["seeds"]),
+        _logit_scale_lm_table,
+        _logit_scale_lm_plot,
     ),
     "positions": Study(
         "Positions: RoPE, learned and none, trained at one length and evaluated at longer ones",

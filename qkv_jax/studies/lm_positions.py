@@ -1,0 +1,238 @@
+"""Positions in the char LM: RoPE, learned and none, trained at one length, read at longer ones.
+
+  positions_lm   the char LM (configs/char_lm.py:study, model.max_len raised so a learned
+                 table has a row for every evaluated position) with each position signal:
+                 held-out bits/char on the second half of windows of the trained
+                 length and of 2x and 4x it (positions never trained), and the
+                 strongest head's induction score on repeated random characters through
+                 training (when it passes FORMED), each paired against RoPE.
+
+The repeat task's `positions` study (qkv_jax/studies/variants.py) asks the same of a
+synthetic task; here the text is real, so the longer windows hold the same kind of
+text as the trained ones and only the distances are new.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qkv_jax import text
+from qkv_jax.diagnostics import induction_scores, repeated_sequence
+from qkv_jax.lm import TransformerLM
+from qkv_jax.studies.grid import cell_name
+from qkv_jax.studies.mechanisms import FORMED
+from qkv_jax.studies.results import Study
+from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
+from qkv_jax.studies.sweep import run_sweep
+from qkv_jax.studies.variants import POSITION_CELLS, POSITION_REFERENCE
+from qkv_jax.tasks.transformer import layer_attention, token_cross_entropy
+from qkv_jax.training.setup import Setup
+from qkv_jax.training.validate import ConfigError
+
+__all__ = ["positions_lm_probe", "positions_lm"]
+
+EVAL_WINDOWS = 16  # held-out windows (fixed) per evaluated length
+INDUCTION_SEQUENCES = 16  # repeated random character sequences of the trained length
+POSITIONS_LM_KEY = 20260008
+
+
+def _lengths(base: dict) -> tuple[int, ...]:
+    """(trained, 2x, 4x): task.seq_len and its multiples; ConfigError naming model.max_len when a
+    learned table could not hold the longest."""
+    if base["task"].get("name") != "char_lm":
+        raise ConfigError("the positions_lm study needs the char LM: --config configs/char_lm.py:study")
+    trained = base["task"]["seq_len"]
+    lengths = (trained, 2 * trained, 4 * trained)
+    if base["model"]["max_len"] < lengths[-1]:
+        raise ConfigError(
+            f"model.max_len={base['model']['max_len']}: the positions_lm study reads windows of up to "
+            f"{lengths[-1]} characters; learned positions need a table that long "
+            f"(--config.model.max_len={lengths[-1]})"
+        )
+    return lengths
+
+
+def _first_read(length: int) -> int:
+    """The first position a window of `length` is scored from: its second half, so that every
+    scored position has at least `length // 2` characters of context and, in a window longer than
+    the trained ones, lies past every position training reached."""
+    return length // 2
+
+
+def positions_lm_probe(setup: Setup, lengths: tuple[int, ...]) -> Any:
+    """probe(params) -> held-out bits/char on EVAL_WINDOWS fixed windows of each length in
+    `lengths` (the second half of each: `_first_read`), and
+    the strongest head's induction score on INDUCTION_SEQUENCES repeated random character
+    sequences of the trained length (`lengths[0]`)."""
+    model = setup.model
+    if not isinstance(model, TransformerLM) or "validation" not in setup.data:
+        raise ConfigError(f"the positions_lm study needs the char LM task, got {type(model).__name__}")
+    keys = jax.random.split(jax.random.PRNGKey(POSITIONS_LM_KEY), len(lengths) + 1)
+    trained = lengths[0]
+    induction_tokens = repeated_sequence(keys[0], INDUCTION_SEQUENCES, trained // 2, model.config.vocab_size)
+    windows = {
+        n: text.random_windows(key, setup.data["validation"], EVAL_WINDOWS, n + 1)  # (W, n + 1)
+        for n, key in zip(lengths, keys[1:], strict=True)
+    }
+
+    def probe(params: Any) -> dict:
+        layers = layer_attention(model, params, induction_tokens)  # [(B, N, T, T) per block]
+        scores = jnp.stack([induction_scores(w, trained // 2) for w in layers])  # (L, N)
+        measured = {"induction": scores.max()}
+        for n, chunk in windows.items():
+            logits = jnp.asarray(model.apply({"params": params}, chunk[:, :-1]))  # (W, n, V)
+            nats = token_cross_entropy(logits, chunk[:, 1:])[:, _first_read(n) :].mean()
+            measured[f"bits_per_char_{n}"] = nats / math.log(2.0)
+        return measured
+
+    return probe
+
+
+def _arm(row: dict, lengths: tuple[int, ...], budget: int) -> dict:
+    """One arm's per-seed measures: the step its strongest induction score first exceeds FORMED
+    (never = the budget, a lower bound), the final score and bits/char at each length."""
+    probes = row["probes"]
+    steps, induction = probes["step"], np.asarray(probes["induction"])  # (probes, seeds)
+    formed = [
+        next((steps[t] for t in range(len(steps)) if induction[t, s] > FORMED), None)
+        for s in range(induction.shape[1])
+    ]
+    measures: dict[str, Any] = {
+        "arm": row["cell"]["model.positions"],
+        "seeds": row["seeds"],
+        "steps": steps,
+        "formed": [f is not None for f in formed],
+        "formed_at_step": [float(budget if f is None else f) for f in formed],
+        "final_induction": induction[-1].tolist(),
+        "induction_curve": induction.mean(axis=1).tolist(),
+    }
+    for n in lengths:
+        bits = np.asarray(probes[f"bits_per_char_{n}"])  # (probes, seeds)
+        measures[f"bits_per_char_{n}"] = bits[-1].tolist()
+        measures[f"bits_per_char_{n}_curve"] = bits.mean(axis=1).tolist()
+    return measures
+
+
+def positions_lm(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
+    """POSITION_CELLS on the char LM over `seeds` (each arm's seeds trained together on the same
+    batches): per arm `_arm`'s measures with 95% intervals, each paired against RoPE."""
+    lengths = _lengths(base)
+    rows = run_sweep(
+        base,
+        workdir / "sweep",
+        POSITION_CELLS,
+        seeds,
+        metric="eval_val_bits_per_char",
+        probe_for=lambda setup: positions_lm_probe(setup, lengths),
+    )
+    done = [row for row in rows if row["status"] == "done"]
+    if len(done) < len(rows):
+        failed = ", ".join(f"{cell_name(row['cell'])} ({row['status']})" for row in rows if row not in done)
+        raise ConfigError(f"the positions_lm study compares every arm; these did not finish: {failed}")
+    results = [_arm(row, lengths, base["train"]["steps"]) for row in done]
+    names = ["formed_at_step", "final_induction", *(f"bits_per_char_{n}" for n in lengths)]
+    reference = next(r for r in results if r["arm"] == POSITION_REFERENCE)
+    for result in results:
+        result["intervals"] = {name: mean_interval(result[name]) for name in names}
+        result["minus_reference"] = (
+            None
+            if result is reference
+            else {name: paired_difference(result[name], reference[name]) for name in names}
+        )
+    return {
+        "study": "positions_lm",
+        "lengths": list(lengths),
+        "threshold": FORMED,
+        "reference": POSITION_REFERENCE,
+        "measures": names,
+        "train_steps": base["train"]["steps"],
+        "max_len": base["model"]["max_len"],
+        "eval_windows": EVAL_WINDOWS,
+        "rows": results,
+        "wall_time_s": sum(row["wall_time_s"] for row in done),
+    }
+
+
+def _header(length: int) -> str:
+    return f"bits/char, positions {_first_read(length)}-{length - 1} of {length}"
+
+
+def _positions_lm_table(results: dict) -> list[str]:
+    lengths = results["lengths"]
+    lines = [
+        f"Mean [95% CI] over seeds; trained on {lengths[0]}-character windows. Formed: the strongest "
+        f"head's induction score first > {results['threshold']:g} (never = the budget, a lower bound). "
+        f"Bits/char on the second half of {results['eval_windows']} fixed held-out windows of each length "
+        "(in the longer windows: positions training never reached).",
+        "",
+        "| positions | seeds formed | formed at step | final induction score | "
+        + " | ".join(_header(n) for n in lengths)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(lengths),
+    ]
+    for r in results["rows"]:
+        cells = [format_interval(r["intervals"][name], 4) for name in results["measures"]]
+        lines.append(f"| {r['arm']} | {sum(r['formed'])}/{len(r['formed'])} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Each arm minus {results['reference']}, paired over seeds (mean [95% CI]; * the interval "
+        "excludes 0):",
+        "",
+        "| positions | formed at step | final induction score | "
+        + " | ".join(_header(n) for n in lengths)
+        + " |",
+        "|---|---|---|" + "---|" * len(lengths),
+    ]
+    for r in results["rows"]:
+        if r["minus_reference"] is not None:
+            cells = []
+            for name in results["measures"]:
+                stats = r["minus_reference"][name]
+                cells.append(format_interval(stats, 4, signed=True) + (" *" if stats["significant"] else ""))
+            lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _positions_lm_plot(results: dict, axes: Any) -> None:
+    lengths = results["lengths"]
+    for i, r in enumerate(results["rows"]):
+        axes[0].plot(r["steps"], r["induction_curve"], color=f"C{i}", label=r["arm"])
+        means = [r["intervals"][f"bits_per_char_{n}"] for n in lengths]
+        axes[1].errorbar(
+            lengths,
+            [m["mean"] for m in means],
+            yerr=[
+                [m["mean"] - m["low"] if m["n"] > 1 else 0 for m in means],
+                [m["high"] - m["mean"] if m["n"] > 1 else 0 for m in means],
+            ],
+            marker="o",
+            capsize=2,
+            color=f"C{i}",
+            label=r["arm"],
+        )
+    axes[0].axhline(results["threshold"], color="gray", ls=":")
+    axes[0].set(xlabel="step", ylabel="strongest induction score (mean over seeds)", title="induction")
+    axes[1].axvline(lengths[0], color="gray", ls=":")
+    axes[1].set(
+        xscale="log",
+        xlabel="window (characters; dotted: trained)",
+        ylabel="held-out bits/char (95% CI)",
+        title="length generalisation",
+    )
+    axes[0].legend(fontsize=7)
+
+
+STUDIES = {
+    "positions_lm": Study(
+        "Positions in the char LM: RoPE, learned and none, read at 2x and 4x the trained length",
+        lambda base, workdir, options: positions_lm(base, workdir, options["seeds"]),
+        _positions_lm_table,
+        _positions_lm_plot,
+    ),
+}
