@@ -597,11 +597,19 @@ LOGIT_SCALE_LM_COMMAND = [
 ]
 
 
-def _lm_difference(row: dict, name: str) -> str:
-    """'+x [lo, hi] (worse|better)' of an arm's paired difference in bits/char."""
+def _lm_difference(row: dict, name: str, what: str) -> str:
+    """'+x [lo, hi] `what` (worse|better)' of an arm's paired difference in bits/char."""
     d = row["minus_reference"][name]
-    verdict = "" if not excludes_zero(d) else (", worse" if d["mean"] > 0 else ", better")
-    return f"{ci(d, 4, signed=True)}{verdict}"
+    verdict = "" if not excludes_zero(d) else (" (worse)" if d["mean"] > 0 else " (better)")
+    return f"{ci(d, 4, signed=True)} {what}{verdict}"
+
+
+def _uniform_entropy(seq_len: int) -> float:
+    """The mean entropy (nats) of causal rows uniform over their keys, over the queries the probe
+    reads (position FIRST_QUERY and later): query t sees t + 1 keys."""
+    from qkv_jax.studies.sinks import FIRST_QUERY
+
+    return sum(math.log(t + 1) for t in range(FIRST_QUERY, seq_len)) / (seq_len - FIRST_QUERY)
 
 
 def _logit_scale_lm_answer(record: dict) -> str:
@@ -642,6 +650,9 @@ def _logit_scale_lm_answer(record: dict) -> str:
         if not scaled_worse
         else f"; QK-norm with the scale was worse than the scale alone at d_k = {_listed(scaled_worse)}"
     )
+    always_worse = [a for a in arms if a != norm_alone and significant(a, +1) == d_ks]
+    if always_worse:
+        verdict += f"; {' and '.join(always_worse)} without it were worse at every d_k"
     largest = d_ks[0]
     entropy = {
         arm: by[largest, arm]["intervals"]["entropy_init"]["mean"]
@@ -651,8 +662,8 @@ def _logit_scale_lm_answer(record: dict) -> str:
     details = []
     for arm in arms:
         parts = [
-            f"d_k = {d}: {_lm_difference(by[d, arm], 'val_bits_per_char')} bits/char at the end, "
-            f"{_lm_difference(by[d, arm], 'mean_probe_bits_per_char')} averaged through training"
+            f"d_k = {d}: {_lm_difference(by[d, arm], 'val_bits_per_char', 'bits/char at the end')}, "
+            f"{_lm_difference(by[d, arm], 'mean_probe_bits_per_char', 'averaged through training')}"
             for d in d_ks
             if (d, arm) in by
         ]
@@ -661,8 +672,8 @@ def _logit_scale_lm_answer(record: dict) -> str:
         verdict
         + f". At d_k = {largest} the attention rows start at "
         + ", ".join(f"{e:.2f} nats with {arm}" for arm, e in entropy.items())
-        + f" (uniform over the last query's {record['seq_len']} keys: {math.log(record['seq_len']):.2f}; "
-        "earlier queries see fewer keys, so the mean is lower). Each arm minus the scale alone, "
+        + " (rows uniform over the keys each query sees: "
+        f"{_uniform_entropy(record['seq_len']):.2f}). Each arm minus the scale alone, "
         "paired over seeds (mean [95% CI]): " + ". ".join(details) + "."
     )
 
@@ -690,7 +701,7 @@ def lm_logit_scale() -> str:
             "1/sqrt(d_k) at the same d_k seed by seed (paired t intervals). Before training and every 50 "
             "steps a probe (`logit_scale_lm_probe` in `qkv_jax/studies/variants.py`) measures the gradient "
             "at every W_q on 8 fixed training batches, bits/char on one fixed held-out batch and the "
-            "attention entropy on 8 of its windows.",
+            "attention entropy of the queries at position 8 and later on 8 of its windows.",
             "",
             f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
             f"`{shown(LOGIT_SCALE_LM_COMMAND)}`",
@@ -897,22 +908,43 @@ def _positions_lm_answer(record: dict) -> str:
         longer.append(f"{arm}: " + "; ".join(changes))
     formed = ", ".join(f"{arm} {sum(r['formed'])}/{len(r['formed'])}" for arm, r in rows.items())
     induction = ", ".join(f"{arm} {ci(r['intervals']['final_induction'], 3)}" for arm, r in rows.items())
-    beyond = [
-        arm
-        for arm, r in rows.items()
-        if r["minus_reference"] is not None
-        and all(
-            excludes_zero(r["minus_reference"][f"bits_per_char_{n}"])
-            and r["minus_reference"][f"bits_per_char_{n}"]["mean"] > 0
-            for n in lengths[1:]
+    longest = lengths[-1]
+
+    def change(arm: str, n: int) -> dict:
+        return paired_difference(rows[arm][f"bits_per_char_{n}"], rows[arm][f"bits_per_char_{trained}"])
+
+    def best(n: int) -> str:
+        return min(rows, key=lambda arm: rows[arm]["intervals"][f"bits_per_char_{n}"]["mean"])
+
+    worse = [arm for arm in rows if excludes_zero(change(arm, longest)) and change(arm, longest)["mean"] > 0]
+    holding = [arm for arm in rows if arm not in worse]
+    verdict = f"At the trained length {best(trained)} predicts best. "
+    if worse:
+        verdict += (
+            f"Read past it, {' and '.join(worse)} predict worse than at the trained length "
+            f"(on positions {longest // 2}-{longest - 1} of {longest}: "
+            + ", ".join(f"{arm} {ci(change(arm, longest), 3, signed=True)}" for arm in worse)
+            + " bits/char)"
         )
-    ]
-    verdict = (
-        f"Past the trained length {', '.join(beyond)} predicted worse than {record['reference']} at every "
-        "longer window (paired intervals exclude 0). "
-        if beyond
-        else f"No arm predicted significantly worse than {record['reference']} at every longer window. "
-    )
+        verdict += (
+            f", while {' and '.join(holding)} {'does' if len(holding) == 1 else 'do'} not. "
+            if holding
+            else ". "
+        )
+    leader = best(longest)
+    verdict += f"At {longest} characters {leader} is best"
+    if rows[leader]["minus_reference"] is not None:
+        d = rows[leader]["minus_reference"][f"bits_per_char_{longest}"]
+        verdict += f" ({ci(d, 3, signed=True)} against {record['reference']}" + (
+            ", the interval excludes 0). " if excludes_zero(d) else "). "
+        )
+    else:
+        verdict += ". "
+    if not any(any(r["formed"]) for r in rows.values()):
+        verdict += (
+            f"No arm formed an induction head within {record['train_steps']} steps, so this measures "
+            "how each position signal extrapolates, not how far an induction mechanism reaches. "
+        )
     return (
         verdict + f"Held-out bits/char at the trained length (positions {trained // 2}-{trained - 1} of "
         f"{trained}-character windows): {at_trained}. "

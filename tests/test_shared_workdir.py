@@ -22,7 +22,7 @@ from qkv_jax.report.run import report_run
 from qkv_jax.studies.results import write_sweep_results
 from qkv_jax.training import Checkpoints, CheckpointWarning, read_params, train_and_evaluate
 from qkv_jax.training.checkpoints import NoCheckpointError
-from qkv_jax.training.workdir import WorkdirBusyError, WorkdirLock, read_metrics
+from qkv_jax.training.workdir import WorkdirBusyError, WorkdirLock, differences, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The small run every test here starts from, as command-line overrides and as a config.
@@ -434,3 +434,16 @@ def test_reading_runs_while_they_train(tmp_path):
     for workdir in (flag, lm):
         records = read_metrics(workdir / "metrics.jsonl")
         assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+
+
+def test_a_run_saved_before_an_optional_field_existed_still_matches():
+    """A field the saved config lacks matches an unset (None) one: a release that adds an optional
+    field resumes the runs written before it. Set, or dropped from the current config, it differs."""
+    saved = {"model": {"d_k": 8}}
+    assert differences(saved, {"model": {"d_k": 8, "attention_scale": None}}) == []
+    assert differences(saved, {"model": {"d_k": 8, "attention_scale": 1.0}}) == [
+        "model.attention_scale=1.0 here but '<absent>' in the workdir"
+    ]
+    assert differences({"model": {"d_k": 8, "attention_scale": None}}, saved) == [
+        "model.attention_scale='<absent>' here but None in the workdir"
+    ]

@@ -39,7 +39,7 @@ import numpy as np
 from qkv_jax import text
 from qkv_jax.studies.grid import apply_overrides
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval, paired_difference
+from qkv_jax.studies.stats import interval_errors, mean_interval, paired_difference
 from qkv_jax.training.run import train_and_evaluate
 
 __all__ = [
@@ -363,14 +363,9 @@ def _lora_table(results: dict) -> list[str]:
     return lines
 
 
-def _errors(stats: list[dict]) -> list[list[float]]:
-    """matplotlib's yerr of `mean_interval` records: [below, above] the mean."""
-    return [[s["mean"] - s["low"] for s in stats], [s["high"] - s["mean"] for s in stats]]
-
-
 def _bars(ax: Any, names: list[str], stats: list[dict], **options: Any) -> None:
     """Bars of `mean_interval` records with their 95% intervals."""
-    ax.bar(names, [s["mean"] for s in stats], yerr=_errors(stats), capsize=3, **options)
+    ax.bar(names, [s["mean"] for s in stats], yerr=interval_errors(stats), capsize=3, **options)
     ax.tick_params(axis="x", rotation=60, labelsize=7)
 
 
@@ -382,7 +377,7 @@ def _lora_plot(results: dict, axes: Any) -> None:
         axes[0].errorbar(
             [r["trainable_params"] for r in chosen],
             [s["mean"] for s in stats],
-            yerr=_errors(stats),
+            yerr=interval_errors(stats),
             marker="o",
             capsize=3,
             label=f"LoRA on {label}",
@@ -392,7 +387,7 @@ def _lora_plot(results: dict, axes: Any) -> None:
     axes[0].errorbar(
         [full["trainable_params"]],
         [stats[0]["mean"]],
-        yerr=_errors(stats),
+        yerr=interval_errors(stats),
         fmt="s",
         color="k",
         capsize=3,

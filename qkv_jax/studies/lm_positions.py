@@ -28,9 +28,9 @@ from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import cell_name
 from qkv_jax.studies.mechanisms import FORMED
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
+from qkv_jax.studies.stats import format_interval, pair_with_reference
 from qkv_jax.studies.sweep import run_sweep
-from qkv_jax.studies.variants import POSITION_CELLS, POSITION_REFERENCE
+from qkv_jax.studies.variants import POSITION_CELLS, POSITION_REFERENCE, induction_measures, plot_positions
 from qkv_jax.tasks.transformer import layer_attention, token_cross_entropy
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
@@ -97,23 +97,9 @@ def positions_lm_probe(setup: Setup, lengths: tuple[int, ...]) -> Any:
 def _arm(row: dict, lengths: tuple[int, ...], budget: int) -> dict:
     """One arm's per-seed measures: the step its strongest induction score first exceeds FORMED
     (never = the budget, a lower bound), the final score and bits/char at each length."""
-    probes = row["probes"]
-    steps, induction = probes["step"], np.asarray(probes["induction"])  # (probes, seeds)
-    formed = [
-        next((steps[t] for t in range(len(steps)) if induction[t, s] > FORMED), None)
-        for s in range(induction.shape[1])
-    ]
-    measures: dict[str, Any] = {
-        "arm": row["cell"]["model.positions"],
-        "seeds": row["seeds"],
-        "steps": steps,
-        "formed": [f is not None for f in formed],
-        "formed_at_step": [float(budget if f is None else f) for f in formed],
-        "final_induction": induction[-1].tolist(),
-        "induction_curve": induction.mean(axis=1).tolist(),
-    }
+    measures = induction_measures(row, budget)
     for n in lengths:
-        bits = np.asarray(probes[f"bits_per_char_{n}"])  # (probes, seeds)
+        bits = np.asarray(row["probes"][f"bits_per_char_{n}"])  # (probes, seeds)
         measures[f"bits_per_char_{n}"] = bits[-1].tolist()
         measures[f"bits_per_char_{n}_curve"] = bits.mean(axis=1).tolist()
     return measures
@@ -138,13 +124,7 @@ def positions_lm(base: dict, workdir: pathlib.Path, seeds: list[int]) -> dict:
     results = [_arm(row, lengths, base["train"]["steps"]) for row in done]
     names = ["formed_at_step", "final_induction", *(f"bits_per_char_{n}" for n in lengths)]
     reference = next(r for r in results if r["arm"] == POSITION_REFERENCE)
-    for result in results:
-        result["intervals"] = {name: mean_interval(result[name]) for name in names}
-        result["minus_reference"] = (
-            None
-            if result is reference
-            else {name: paired_difference(result[name], reference[name]) for name in names}
-        )
+    pair_with_reference(results, names, lambda _: reference)
     return {
         "study": "positions_lm",
         "lengths": list(lengths),
@@ -200,32 +180,13 @@ def _positions_lm_table(results: dict) -> list[str]:
 
 
 def _positions_lm_plot(results: dict, axes: Any) -> None:
-    lengths = results["lengths"]
-    for i, r in enumerate(results["rows"]):
-        axes[0].plot(r["steps"], r["induction_curve"], color=f"C{i}", label=r["arm"])
-        means = [r["intervals"][f"bits_per_char_{n}"] for n in lengths]
-        axes[1].errorbar(
-            lengths,
-            [m["mean"] for m in means],
-            yerr=[
-                [m["mean"] - m["low"] if m["n"] > 1 else 0 for m in means],
-                [m["high"] - m["mean"] if m["n"] > 1 else 0 for m in means],
-            ],
-            marker="o",
-            capsize=2,
-            color=f"C{i}",
-            label=r["arm"],
-        )
-    axes[0].axhline(results["threshold"], color="gray", ls=":")
-    axes[0].set(xlabel="step", ylabel="strongest induction score (mean over seeds)", title="induction")
-    axes[1].axvline(lengths[0], color="gray", ls=":")
-    axes[1].set(
-        xscale="log",
-        xlabel="window (characters; dotted: trained)",
+    plot_positions(
+        results,
+        axes,
+        "bits_per_char",
         ylabel="held-out bits/char (95% CI)",
-        title="length generalisation",
+        xlabel="window (characters; dotted: trained)",
     )
-    axes[0].legend(fontsize=7)
 
 
 STUDIES = {

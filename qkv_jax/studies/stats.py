@@ -10,7 +10,7 @@ most of the seed-to-seed noise.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,3 +70,29 @@ def format_interval(stats: dict | None, digits: int = 3, signed: bool = False) -
     if stats.get("n", 2) < 2 or math.isnan(stats["low"]):
         return f"{stats['mean']:{form}}"
     return f"{stats['mean']:{form}} [{stats['low']:{form}}, {stats['high']:{form}}]"
+
+
+def pair_with_reference(
+    results: list[dict], measures: Sequence[str], reference_of: Callable[[dict], dict | None]
+) -> None:
+    """Adds to each of `results` (dicts of per-seed lists) `intervals`, each measure's
+    `mean_interval`, and `minus_reference`, each measure's `paired_difference` from
+    `reference_of(result)` (None for the reference itself, or when its run is missing)."""
+    for result in results:
+        reference = reference_of(result)
+        result["intervals"] = {name: mean_interval(result[name]) for name in measures}
+        result["minus_reference"] = (
+            None
+            if reference is None or reference is result
+            else {name: paired_difference(result[name], reference[name]) for name in measures}
+        )
+
+
+def interval_errors(records: Sequence[dict]) -> list[list[float]]:
+    """matplotlib's `yerr` of `mean_interval` records: [below, above] each mean; 0 for a record
+    without an interval (one value)."""
+    spans = [s.get("n", 2) >= 2 and not math.isnan(s["low"]) for s in records]
+    return [
+        [s["mean"] - s["low"] if span else 0.0 for s, span in zip(records, spans, strict=True)],
+        [s["high"] - s["mean"] if span else 0.0 for s, span in zip(records, spans, strict=True)],
+    ]

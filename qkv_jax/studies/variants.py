@@ -39,8 +39,8 @@ from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import apply_overrides, grid
 from qkv_jax.studies.mechanisms import FORMED, PROBE_BATCHES, projection_norm, thermostat_probe
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.sinks import SOFT_CAP, head_measures
-from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
+from qkv_jax.studies.sinks import FIRST_QUERY, SOFT_CAP, head_measures
+from qkv_jax.studies.stats import format_interval, interval_errors, pair_with_reference
 from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import answer_metrics, repeat_batch
 from qkv_jax.tasks.transformer import layer_attention
@@ -58,6 +58,8 @@ __all__ = [
     "LM_CELLS",
     "logit_scale_lm_probe",
     "logit_scale_lm",
+    "induction_measures",
+    "plot_positions",
     "positions_probe",
     "positions",
     "STUDIES",
@@ -140,6 +142,11 @@ def _cell_key(cell: dict) -> tuple:
     return tuple(sorted(cell.items(), key=lambda item: item[0]))
 
 
+def _reference_at_d_k(results: list[dict], result: dict) -> dict | None:
+    """The 1/sqrt(d_k) arm at `result`'s d_k (None if its cell did not finish)."""
+    return next((r for r in results if r["d_k"] == result["d_k"] and r["arm"] == REFERENCE), None)
+
+
 def logit_scale(base: dict, workdir: pathlib.Path, cells: Any, seeds: list[int]) -> dict:
     """The flag task's one-head MultiHeadAttention at each cell (configs/flag_retrieval.py:
     logit_scale's sweep: d_k x arm), seeds trained together; per cell the measures with 95%
@@ -163,14 +170,7 @@ def logit_scale(base: dict, workdir: pathlib.Path, cells: Any, seeds: list[int])
         row = done.get(_cell_key(cell))
         if row is not None:
             results.append(_cell_measures(config, row))
-    for result in results:
-        reference = next((r for r in results if r["d_k"] == result["d_k"] and r["arm"] == REFERENCE), None)
-        result["intervals"] = {name: mean_interval(result[name]) for name in MEASURES}
-        result["minus_reference"] = (
-            None
-            if reference is None or reference is result
-            else {name: paired_difference(result[name], reference[name]) for name in MEASURES}
-        )
+    pair_with_reference(results, MEASURES, lambda result: _reference_at_d_k(results, result))
     return {
         "study": "logit_scale",
         "threshold": CONVERGED,
@@ -229,10 +229,7 @@ def _logit_scale_plot(results: dict, axes: Any) -> None:
         axes[0].errorbar(
             [r["d_k"] for r in mine],
             [m["mean"] for m in means],
-            yerr=[
-                [m["mean"] - m["low"] if m["n"] > 1 else 0 for m in means],
-                [m["high"] - m["mean"] if m["n"] > 1 else 0 for m in means],
-            ],
+            yerr=interval_errors(means),
             marker="o",
             ms=3,
             capsize=2,
@@ -305,16 +302,16 @@ def _position_lengths(base: dict, lengths: tuple[int, ...] | None) -> tuple[int,
     return lengths
 
 
-def _position_measures(row: dict, lengths: tuple[int, ...], budget: int) -> dict:
-    """One arm's per-seed measures: the step its strongest induction score first exceeds FORMED
-    (never = the budget, a lower bound) and the final loss and accuracy at each length."""
-    probes = row["probes"]
-    steps, induction = probes["step"], np.asarray(probes["induction"])  # (probes, seeds)
+def induction_measures(row: dict, budget: int) -> dict[str, Any]:
+    """A positions arm's induction measures from its sweep row: per seed the step its strongest
+    induction score first exceeds FORMED (`formed_at_step`; never = `budget`, a lower bound) and
+    the final score, the mean curve, and the arm's name, seeds and probe steps."""
+    steps, induction = row["probes"]["step"], np.asarray(row["probes"]["induction"])  # (probes, seeds)
     formed = [
         next((steps[t] for t in range(len(steps)) if induction[t, s] > FORMED), None)
         for s in range(induction.shape[1])
     ]
-    measures: dict[str, Any] = {
+    return {
         "arm": row["cell"]["model.positions"],
         "seeds": row["seeds"],
         "steps": steps,
@@ -324,6 +321,13 @@ def _position_measures(row: dict, lengths: tuple[int, ...], budget: int) -> dict
         "final_induction": induction[-1].tolist(),
         "induction_curve": induction.mean(axis=1).tolist(),
     }
+
+
+def _position_measures(row: dict, lengths: tuple[int, ...], budget: int) -> dict:
+    """One arm's per-seed measures: the step its strongest induction score first exceeds FORMED
+    (never = the budget, a lower bound) and the final loss and accuracy at each length."""
+    measures = induction_measures(row, budget)
+    probes = row["probes"]
     for n in lengths:
         measures[f"loss_{n}"] = np.asarray(probes[f"loss_{n}"])[-1].tolist()
         measures[f"accuracy_{n}"] = np.asarray(probes[f"accuracy_{n}"])[-1].tolist()
@@ -351,13 +355,7 @@ def positions(
         f"{m}_{n}" for n in lengths for m in ("loss", "accuracy")
     ]
     reference = next((r for r in results if r["arm"] == POSITION_REFERENCE), None)
-    for result in results:
-        result["intervals"] = {name: mean_interval(result[name]) for name in names}
-        result["minus_reference"] = (
-            None
-            if reference is None or result is reference
-            else {name: paired_difference(result[name], reference[name]) for name in names}
-        )
+    pair_with_reference(results, names, lambda _: reference)
     return {
         "study": "positions",
         "lengths": list(lengths),
@@ -401,18 +399,17 @@ def _positions_table(results: dict) -> list[str]:
     return lines
 
 
-def _positions_plot(results: dict, axes: Any) -> None:
+def plot_positions(results: dict, axes: Any, measure: str, ylabel: str, xlabel: str) -> None:
+    """A positions study's figure: the strongest induction score through training per arm, and
+    `measure` (`{measure}_{length}` intervals) against the evaluated length."""
     lengths = results["lengths"]
     for i, r in enumerate(results["rows"]):
         axes[0].plot(r["steps"], r["induction_curve"], color=f"C{i}", label=r["arm"])
-        means = [r["intervals"][f"accuracy_{n}"] for n in lengths]
+        means = [r["intervals"][f"{measure}_{n}"] for n in lengths]
         axes[1].errorbar(
             lengths,
             [m["mean"] for m in means],
-            yerr=[
-                [m["mean"] - m["low"] if m["n"] > 1 else 0 for m in means],
-                [m["high"] - m["mean"] if m["n"] > 1 else 0 for m in means],
-            ],
+            yerr=interval_errors(means),
             marker="o",
             capsize=2,
             color=f"C{i}",
@@ -423,13 +420,18 @@ def _positions_plot(results: dict, axes: Any) -> None:
         xlabel="step", ylabel="strongest induction score (mean over seeds)", title="induction forming"
     )
     axes[1].axvline(lengths[0], color="gray", ls=":")
-    axes[1].set(
-        xscale="log",
-        xlabel="evaluated length (tokens; dotted: trained)",
-        ylabel="accuracy on the repeated half (95% CI)",
-        title="length generalisation",
-    )
+    axes[1].set(xscale="log", xlabel=xlabel, ylabel=ylabel, title="length generalisation")
     axes[0].legend(fontsize=7)
+
+
+def _positions_plot(results: dict, axes: Any) -> None:
+    plot_positions(
+        results,
+        axes,
+        "accuracy",
+        ylabel="accuracy on the repeated half (95% CI)",
+        xlabel="evaluated length (tokens; dotted: trained)",
+    )
 
 
 # --- logit_scale_lm: the same arms in the char LM ----------------------------------------------
@@ -536,14 +538,7 @@ def logit_scale_lm(
     ]
     if not results:
         raise ConfigError(f"the logit_scale_lm study: no cell finished; the first: {rows[0]['status']}")
-    for result in results:
-        reference = next((r for r in results if r["d_k"] == result["d_k"] and r["arm"] == REFERENCE), None)
-        result["intervals"] = {name: mean_interval(result[name]) for name in LM_MEASURES}
-        result["minus_reference"] = (
-            None
-            if reference is None or reference is result
-            else {name: paired_difference(result[name], reference[name]) for name in LM_MEASURES}
-        )
+    pair_with_reference(results, LM_MEASURES, lambda result: _reference_at_d_k(results, result))
     return {
         "study": "logit_scale_lm",
         "reference": REFERENCE,
@@ -585,11 +580,11 @@ def _logit_scale_lm_table(results: dict) -> list[str]:
             lines.append(f"| {r['d_k']} | {r['arm']} | " + " | ".join(cells) + " |")
     return lines + [
         "",
-        f"Mean [95% CI] over seeds. Val bits/char: the final evaluation ({results['eval_windows']} held-out "
-        "windows); mean "
-        "held-out bits/char: one fixed held-out batch at every probe after step 0, averaged (lower = "
-        "learned faster as well as further); entropy: attention rows on 8 held-out windows, mean over "
-        "heads and layers; gradient: |dL/dW_q| over every layer on 8 fixed training batches.",
+        f"Mean [95% CI] over seeds. Val bits/char: the final evaluation ({results['eval_windows']} "
+        "held-out windows); mean held-out bits/char: one fixed held-out batch at every probe after step "
+        "0, averaged (lower = learned faster as well as further); entropy: the attention rows of "
+        f"queries at position {FIRST_QUERY} and later on {LM_WINDOWS} held-out windows, mean over heads "
+        f"and layers; gradient: |dL/dW_q| over every layer on {PROBE_BATCHES} fixed training batches.",
     ]
 
 

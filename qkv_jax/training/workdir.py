@@ -276,11 +276,16 @@ def plain(tree: Any) -> Any:
 
 def differences(saved: dict, current: dict, ignored: Sequence[str] = ()) -> list[str]:
     """'field=<current> here but <saved> in the workdir' for each field that differs, except the
-    `ignored` ones (a name, or a prefix ending in '.' for a whole section)."""
+    `ignored` ones (a name, or a prefix ending in '.' for a whole section). A field the workdir's
+    config lacks matches an unset (None) one here: the run was saved before the field existed,
+    and an unset optional field means what its absence meant (so a release that adds an
+    optional field still resumes the runs written before it)."""
     saved_flat, current_flat = flatten(saved), flatten(current)
     changed = []
     for field in sorted(set(saved_flat) | set(current_flat)):
         if any(field == f or (f.endswith(".") and field.startswith(f)) for f in ignored):
+            continue
+        if field not in saved_flat and current_flat[field] is None:
             continue
         if saved_flat.get(field, "<absent>") != current_flat.get(field, "<absent>"):
             changed.append(
