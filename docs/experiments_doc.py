@@ -47,6 +47,22 @@ def copy_image(source: pathlib.Path, name: str) -> str:
     return f"images/{name}"
 
 
+def run_study(command: list[str]) -> dict:
+    """Runs a study's `experiments.study` command (finished cells and runs are read back, not
+    retrained) and returns its results.json."""
+    run(command)
+    return json.loads((_study_workdir(command) / "results.json").read_text())
+
+
+def study_plot(command: list[str], image: str) -> str:
+    """The docs path of the study's plot (`<workdir>/<study>.png`), copied as images/<image>."""
+    return copy_image(_study_workdir(command) / f"{command[1]}.png", image)
+
+
+def _study_workdir(command: list[str]) -> pathlib.Path:
+    return ROOT / command[command.index("--workdir") + 1]
+
+
 def fmt(value: float, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
@@ -316,9 +332,8 @@ def thermostat() -> str:
         "--config.train.log_every=10",
         "--config.train.checkpoint_every=100",
     ]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "thermostat.png", "study_thermostat_mechanism.png")
+    record = run_study(command)
+    image = study_plot(command, "study_thermostat_mechanism.png")
     by = {(r["d_k"], r["scaled"]): r for r in record["rows"]}
     largest = max(d for d, _ in by)
     scaled, unscaled = by[(largest, True)], by[(largest, False)]
@@ -548,10 +563,8 @@ def _logit_scale_ends(record: dict, largest: int) -> str:
 
 
 def logit_scale() -> str:
-    workdir = ROOT / LOGIT_SCALE_COMMAND[3]
-    run(LOGIT_SCALE_COMMAND)
-    record = json.loads((workdir / "results.json").read_text())
-    image = copy_image(workdir / "logit_scale.png", "study_logit_scale.png")
+    record = run_study(LOGIT_SCALE_COMMAND)
+    image = study_plot(LOGIT_SCALE_COMMAND, "study_logit_scale.png")
     return "\n".join(
         [
             "## Keeping the logits in range: does QK-norm make 1/sqrt(d_k) unnecessary?",
@@ -679,10 +692,8 @@ def _logit_scale_lm_answer(record: dict) -> str:
 
 
 def lm_logit_scale() -> str:
-    workdir = ROOT / LOGIT_SCALE_LM_COMMAND[3]
-    run(LOGIT_SCALE_LM_COMMAND)
-    record = json.loads((workdir / "results.json").read_text())
-    image = copy_image(workdir / "logit_scale_lm.png", "study_logit_scale_lm.png")
+    record = run_study(LOGIT_SCALE_LM_COMMAND)
+    image = study_plot(LOGIT_SCALE_LM_COMMAND, "study_logit_scale_lm.png")
     seeds = len(record["rows"][0]["seeds"])
     return "\n".join(
         [
@@ -824,10 +835,8 @@ def _positions_answer(record: dict) -> str:
 
 
 def positions() -> str:
-    workdir = ROOT / POSITIONS_COMMAND[3]
-    run(POSITIONS_COMMAND)
-    record = json.loads((workdir / "results.json").read_text())
-    image = copy_image(workdir / "positions.png", "study_positions.png")
+    record = run_study(POSITIONS_COMMAND)
+    image = study_plot(POSITIONS_COMMAND, "study_positions.png")
     return "\n".join(
         [
             "## Positions: RoPE, learned and none, trained at 128 tokens and evaluated at 256 and 512",
@@ -895,23 +904,25 @@ def _positions_lm_answer(record: dict) -> str:
         )
         for arm, r in rows.items()
     )
+
+    def change(arm: str, n: int) -> dict:
+        """The arm's bits/char at length n minus its own at the trained length, paired by seed."""
+        return paired_difference(rows[arm][f"bits_per_char_{n}"], rows[arm][f"bits_per_char_{trained}"])
+
     longer = []
     for arm, r in rows.items():
         changes = []
         for n in lengths[1:]:
-            change = paired_difference(r[f"bits_per_char_{n}"], r[f"bits_per_char_{trained}"])
+            d = change(arm, n)
             changes.append(
                 f"{ci(r['intervals'][f'bits_per_char_{n}'], 3)} on positions {n // 2}-{n - 1} of "
-                f"{n} ({ci(change, 3, signed=True)} against its own {trained // 2}-{trained - 1} of {trained}"
-                + (", the interval excludes 0)" if excludes_zero(change) else ")")
+                f"{n} ({ci(d, 3, signed=True)} against its own {trained // 2}-{trained - 1} of {trained}"
+                + (", the interval excludes 0)" if excludes_zero(d) else ")")
             )
         longer.append(f"{arm}: " + "; ".join(changes))
     formed = ", ".join(f"{arm} {sum(r['formed'])}/{len(r['formed'])}" for arm, r in rows.items())
     induction = ", ".join(f"{arm} {ci(r['intervals']['final_induction'], 3)}" for arm, r in rows.items())
     longest = lengths[-1]
-
-    def change(arm: str, n: int) -> dict:
-        return paired_difference(rows[arm][f"bits_per_char_{n}"], rows[arm][f"bits_per_char_{trained}"])
 
     def best(n: int) -> str:
         return min(rows, key=lambda arm: rows[arm]["intervals"][f"bits_per_char_{n}"]["mean"])
@@ -956,10 +967,8 @@ def _positions_lm_answer(record: dict) -> str:
 
 
 def positions_lm() -> str:
-    workdir = ROOT / POSITIONS_LM_COMMAND[3]
-    run(POSITIONS_LM_COMMAND)
-    record = json.loads((workdir / "results.json").read_text())
-    image = copy_image(workdir / "positions_lm.png", "study_positions_lm.png")
+    record = run_study(POSITIONS_LM_COMMAND)
+    image = study_plot(POSITIONS_LM_COMMAND, "study_positions_lm.png")
     seeds = len(record["rows"][0]["seeds"])
     lengths = record["lengths"]
     return "\n".join(
@@ -1010,9 +1019,8 @@ def flag_reader_circuit() -> str:
         "configs/flag_retrieval.py",
         "--config.train.log_every=10",
     ]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "flag_reader.png", "study_flag_reader.png")
+    record = run_study(command)
+    image = study_plot(command, "study_flag_reader.png")
     s = record["summary"]
     seeds, aligned, threshold = len(record["seeds"]), record["aligned_at_step"], record["aligned_threshold"]
     before = lambda name: ci(s[name]["before"])
@@ -1102,8 +1110,7 @@ def flag_reader_circuit() -> str:
 def lm_causal_mask() -> str:
     workdir = "runs/studies/lm_causal_mask"
     command = ["experiments.study", "causal_mask", "--workdir", workdir]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
+    record = run_study(command)
     causal, unmasked = (next(r for r in record["rows"] if r["arm"] == arm) for arm in ("causal", "unmasked"))
     image = copy_image(ROOT / workdir / "causal_mask.png", "study_lm_causal_mask.png")
     unigram = causal["unigram_bits_per_char"]
@@ -1154,8 +1161,7 @@ def lm_causal_mask() -> str:
 def lm_kv_heads() -> str:
     workdir = "runs/studies/lm_kv_heads"
     command = ["experiments.study", "kv_heads", "--workdir", workdir, "--seeds", "6"]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
+    record = run_study(command)
     rows = {r["arm"]: r for r in record["rows"]}
     image = copy_image(ROOT / workdir / "kv_heads.png", "study_lm_kv_heads.png")
     mha, mqa = rows["mha_kv8"], rows["mqa_kv1"]
@@ -1230,9 +1236,8 @@ def lm_windows() -> str:
         "4",
         "--config.eval.ablation_examples=0",
     ]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "windows.png", "study_lm_windows.png")
+    record = run_study(command)
+    image = study_plot(command, "study_lm_windows.png")
     rows = {r["window"]: r for r in record["rows"]}
     full = rows["full"]
     batch = record["batches"][-1]
@@ -1320,9 +1325,8 @@ def lm_sinks() -> str:
         "4",
         "--config.eval.ablation_examples=0",
     ]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "sinks.png", "study_lm_sinks.png")
+    record = run_study(command)
+    image = study_plot(command, "study_lm_sinks.png")
     arms = {r["arm"]: r for r in record["rows"]}
     plain = arms["softmax"]
     seeds = len(plain["seeds"])
@@ -1417,9 +1421,8 @@ def lm_kv_views() -> str:
         "5",
         "--config.eval.ablation_examples=0",
     ]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "kv_views.png", "study_lm_kv_views.png")
+    record = run_study(command)
+    image = study_plot(command, "study_lm_kv_views.png")
     mha = next(r for r in record["rows"] if r["arm"].startswith("mha"))
     others = [r for r in record["rows"] if r is not mha]
     threshold, seeds, lowest = record["threshold"], len(mha["seeds"]), min(record["thresholds"])
@@ -1643,10 +1646,9 @@ def induction_heads() -> str:
         "--config.train.log_every=25",
         "--config.train.checkpoint_every=100",
     ]
-    run(command)
+    record = run_study(command)
+    image = study_plot(command, "study_induction.png")
     run(["experiments.report", "--workdir", f"{workdir}/sweep"])  # each cell's report.html
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "induction.png", "study_induction.png")
     rows = record["rows"]
     formed = [r for r in rows if r["formed_at_step"] is not None]
     induction_layers = sorted({r["induction_head"][0] for r in rows})
@@ -1717,9 +1719,8 @@ def induction_composition() -> str:
         "--config.train.log_every=25",
         "--config.train.checkpoint_every=100",
     ]
-    run(command)
-    record = json.loads((ROOT / workdir / "results.json").read_text())
-    image = copy_image(ROOT / workdir / "induction_composition.png", "study_induction_composition.png")
+    record = run_study(command)
+    image = study_plot(command, "study_induction_composition.png")
     seeds = len(record["rows"])
     risen, steepest = record["risen"], record["steepest"]
 
@@ -1868,9 +1869,9 @@ def finetune_study(study: str) -> tuple[list[str], dict, str]:
     """Runs one of experiments/study.py's studies (finished runs are read back, not retrained);
     returns its command, its results.json and its plot copied into docs/images."""
     command = finetune_command(study)
-    run(command)
-    record = json.loads((ROOT / command[3] / "results.json").read_text())
-    return command, record, copy_image(ROOT / command[3] / f"{study}.png", f"study_lm_{study}.png")
+    record = run_study(command)
+    image = study_plot(command, f"study_lm_{study}.png")
+    return command, record, image
 
 
 def ci(stats: dict, digits: int = 3, signed: bool = False) -> str:

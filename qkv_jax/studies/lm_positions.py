@@ -28,9 +28,15 @@ from qkv_jax.lm import TransformerLM
 from qkv_jax.studies.grid import cell_name
 from qkv_jax.studies.mechanisms import FORMED
 from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import format_interval, pair_with_reference
+from qkv_jax.studies.stats import pair_with_reference
 from qkv_jax.studies.sweep import run_sweep
-from qkv_jax.studies.variants import POSITION_CELLS, POSITION_REFERENCE, induction_measures, plot_positions
+from qkv_jax.studies.variants import (
+    POSITION_CELLS,
+    POSITION_REFERENCE,
+    induction_measures,
+    plot_positions,
+    positions_table,
+)
 from qkv_jax.tasks.transformer import layer_attention, token_cross_entropy
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
@@ -145,38 +151,13 @@ def _header(length: int) -> str:
 
 def _positions_lm_table(results: dict) -> list[str]:
     lengths = results["lengths"]
-    lines = [
+    note = (
         f"Mean [95% CI] over seeds; trained on {lengths[0]}-character windows. Formed: the strongest "
         f"head's induction score first > {results['threshold']:g} (never = the budget, a lower bound). "
         f"Bits/char on the second half of {results['eval_windows']} fixed held-out windows of each length "
-        "(in the longer windows: positions training never reached).",
-        "",
-        "| positions | seeds formed | formed at step | final induction score | "
-        + " | ".join(_header(n) for n in lengths)
-        + " |",
-        "|---|---|---|---|" + "---|" * len(lengths),
-    ]
-    for r in results["rows"]:
-        cells = [format_interval(r["intervals"][name], 4) for name in results["measures"]]
-        lines.append(f"| {r['arm']} | {sum(r['formed'])}/{len(r['formed'])} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"Each arm minus {results['reference']}, paired over seeds (mean [95% CI]; * the interval "
-        "excludes 0):",
-        "",
-        "| positions | formed at step | final induction score | "
-        + " | ".join(_header(n) for n in lengths)
-        + " |",
-        "|---|---|---|" + "---|" * len(lengths),
-    ]
-    for r in results["rows"]:
-        if r["minus_reference"] is not None:
-            cells = []
-            for name in results["measures"]:
-                stats = r["minus_reference"][name]
-                cells.append(format_interval(stats, 4, signed=True) + (" *" if stats["significant"] else ""))
-            lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
-    return lines
+        "(in the longer windows: positions training never reached)."
+    )
+    return positions_table(results, note, [_header(n) for n in lengths])
 
 
 def _positions_lm_plot(results: dict, axes: Any) -> None:

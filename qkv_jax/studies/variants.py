@@ -60,6 +60,7 @@ __all__ = [
     "logit_scale_lm",
     "induction_measures",
     "plot_positions",
+    "positions_table",
     "positions_probe",
     "positions",
     "STUDIES",
@@ -367,17 +368,16 @@ def positions(
     }
 
 
-def _positions_table(results: dict) -> list[str]:
-    lengths = results["lengths"]
+def positions_table(results: dict, note: str, length_columns: list[str]) -> list[str]:
+    """A positions study's two tables: each arm's measures (`results["measures"]`, after the
+    formation step and final induction score one column per entry of `length_columns`), then
+    each arm minus the reference, paired; `note` above them."""
+    columns = "| positions | formed at step | final induction score | " + " | ".join(length_columns) + " |"
     lines = [
-        f"Mean [95% CI] over seeds; trained at {lengths[0]} tokens. Formed: the strongest head's "
-        f"induction score first > {results['threshold']:g} (never = the budget, a lower bound). Loss "
-        "(nats) and accuracy on the repeated half's answers.",
+        note,
         "",
-        "| positions | seeds formed | formed at step | final induction score | "
-        + " | ".join(f"loss at {n} | accuracy at {n}" for n in lengths)
-        + " |",
-        "|---|---|---|---|" + "---|---|" * len(lengths),
+        columns.replace("| positions |", "| positions | seeds formed |", 1),
+        "|---|---|---|---|" + "---|" * len(length_columns),
     ]
     for r in results["rows"]:
         cells = [format_interval(r["intervals"][name], 4) for name in results["measures"]]
@@ -387,16 +387,24 @@ def _positions_table(results: dict) -> list[str]:
         f"Each arm minus {results['reference']}, paired over seeds (mean [95% CI]; * the interval "
         "excludes 0):",
         "",
-        "| positions | formed at step | final induction score | "
-        + " | ".join(f"loss at {n} | accuracy at {n}" for n in lengths)
-        + " |",
-        "|---|---|---|" + "---|---|" * len(lengths),
+        columns,
+        "|---|---|---|" + "---|" * len(length_columns),
     ]
     for r in results["rows"]:
         if r["minus_reference"] is not None:
             cells = [_change(r["minus_reference"][name], 4) for name in results["measures"]]
             lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _positions_table(results: dict) -> list[str]:
+    lengths = results["lengths"]
+    note = (
+        f"Mean [95% CI] over seeds; trained at {lengths[0]} tokens. Formed: the strongest head's "
+        f"induction score first > {results['threshold']:g} (never = the budget, a lower bound). Loss "
+        "(nats) and accuracy on the repeated half's answers."
+    )
+    return positions_table(results, note, [f"{m} at {n}" for n in lengths for m in ("loss", "accuracy")])
 
 
 def plot_positions(results: dict, axes: Any, measure: str, ylabel: str, xlabel: str) -> None:
