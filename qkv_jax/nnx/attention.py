@@ -1,4 +1,4 @@
-"""qkv_jax's attention and language model as native `flax.nnx` modules.
+"""qkv_jax's attention as native `flax.nnx` modules (the language model: `qkv_jax.nnx.lm`).
 
   HookPoint, LayerNorm  the linen `qkv_jax.modules` hook point and LayerNorm with
                       hook points, as nnx modules (`qkv_jax.interpretability`).
@@ -8,11 +8,6 @@
                       constructor, call, attribute names, `init_cache`), with
                       qkv_jax's extras: MLA latents, head_dim/v_head_dim,
                       is_causal, scale, the attention implementation, LoRA.
-  TransformerBlock, TransformerLM  the linen `qkv_jax.lm` model from the same
-                      `TransformerConfig`, with `init_cache` and decoding.
-  generate            prompt -> sampled tokens for the nnx `TransformerLM`.
-  linen_to_nnx, nnx_to_linen  parameters (and decode caches) between the linen
-                      modules' variables and these modules, both ways.
   dot_product_attention  the default `attention_fn` (flax's signature,
                       `qkv_jax.dot_product_attention` underneath).
 
@@ -37,7 +32,6 @@ from flax import nnx
 from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from qkv_jax import lm
 from qkv_jax.attention import PrecisionLike
 from qkv_jax.lora import check_adapter, default_lora_a_init, lora_update
 from qkv_jax.modules import (
@@ -72,11 +66,6 @@ __all__ = [
     "LayerNorm",
     "MultiHeadAttention",
     "LoRALinearGeneral",
-    "TransformerBlock",
-    "TransformerLM",
-    "generate",
-    "linen_to_nnx",
-    "nnx_to_linen",
     "dot_product_attention",
 ]
 
@@ -120,16 +109,6 @@ _PLAIN_FIELDS = (
     "is_causal",
     "force_fp32_for_softmax",
     "sow_weights",
-)
-# TransformerBlock's hook points (attributes named as the linen block's HookPoints).
-_BLOCK_HOOKS = (
-    "hook_resid_pre",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "mlp_hook_pre",
-    "mlp_hook_post",
-    "hook_mlp_out",
-    "hook_resid_post",
 )
 # flax.nnx.MultiHeadAttention's initializers.
 _KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -599,243 +578,3 @@ class MultiHeadAttention(nnx.Module):
                 f"{_OWNER}: dropout needs rngs= in the call when the module keeps none (keep_rngs=False)"
             )
         return False, (stream.dropout if isinstance(stream, nnx.Rngs) else stream)()
-
-
-class TransformerBlock(nnx.Module):
-    """`qkv_jax.lm.TransformerBlock` as an nnx module: the same sub-module names, math and hook points.
-
-    `TransformerBlock(config, *, rngs, layer=0)` (`layer` picks its window);
-    `__call__(x, deterministic=True, decode=False, head_mask=None,
-    segment_ids=None)` on `[batch..., T, d_model]`.
-    """
-
-    def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
-        width, hidden = config.d_model, config.mlp_dim or 4 * config.d_model
-        norm = functools.partial(
-            LayerNorm, width, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
-        )
-        self.attention_norm = norm()
-        self.attention = MultiHeadAttention(
-            in_features=width, decode=False, rngs=rngs, **lm.attention_options(config, layer)
-        )
-        self.mlp_norm = norm()
-        dense: Any = nnx.Linear
-        options: dict[str, Any] = dict(
-            dtype=config.dtype, param_dtype=config.param_dtype, precision=config.precision, rngs=rngs
-        )
-        if config.lora_rank and "mlp" in config.lora_targets:
-            dense = functools.partial(LoRALinearGeneral, rank=config.lora_rank, alpha=config.lora_alpha)
-        self.mlp_in = dense(width, hidden, **options)
-        self.mlp_out = dense(hidden, width, **options)
-        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        for name in _BLOCK_HOOKS:
-            setattr(self, name, HookPoint())
-
-    def __call__(
-        self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None
-    ) -> Array:
-        hook = _hooks_of(self)
-        x = hook("hook_resid_pre", x)
-        h = self.attention(
-            self.attention_norm(x),
-            deterministic=deterministic,
-            decode=decode,
-            head_mask=head_mask,
-            segment_ids=segment_ids,
-        )  # (..., T, D)
-        x = hook("hook_resid_mid", x + self.dropout(hook("hook_attn_out", h), deterministic=deterministic))
-        h = hook("mlp_hook_pre", self.mlp_in(self.mlp_norm(x)))  # (..., T, mlp_dim)
-        h = hook("hook_mlp_out", self.mlp_out(hook("mlp_hook_post", nnx.gelu(h))))  # (..., T, D)
-        return hook("hook_resid_post", x + self.dropout(h, deterministic=deterministic))  # (..., T, D)
-
-
-class TransformerLM(nnx.Module):
-    """`qkv_jax.lm.TransformerLM` as an nnx module, built from the same `TransformerConfig`.
-
-    `TransformerLM(config, *, rngs)`; `__call__(tokens, deterministic=True,
-    decode=False, head_mask=None, segment_ids=None)`: int tokens `[batch...,
-    T]` -> float32 logits `[batch..., T, vocab_size]`. Attributes
-    `token_embedding`, `position_embedding` (learned positions only),
-    `block_0` ... `block_{L-1}`, `final_norm`, `head`: the linen model's
-    parameter names (`linen_to_nnx`, `nnx_to_linen`).
-    `init_cache(batch_size)` makes room for `config.max_len` positions;
-    decoding continues the positions from `cache_index`.
-    """
-
-    def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.token_embedding = nnx.Embed(
-            config.vocab_size,
-            config.d_model,
-            embedding_init=lm.embedding_init,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            rngs=rngs,
-        )
-        self.hook_embed = HookPoint()
-        self.position_embedding: nnx.Param | None = nnx.data(None)
-        if config.positions == "learned":
-            self.position_embedding = nnx.Param(
-                lm.embedding_init(rngs.params(), (config.max_len, config.d_model), config.param_dtype)
-            )
-            self.hook_pos_embed = HookPoint()
-        for layer in range(config.num_layers):
-            setattr(self, f"block_{layer}", TransformerBlock(config, rngs=rngs, layer=layer))
-        self.final_norm = LayerNorm(
-            config.d_model, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
-        )
-        self.head = nnx.Linear(
-            config.d_model,
-            config.vocab_size,
-            use_bias=False,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            precision=config.precision,
-            rngs=rngs,
-        )
-        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        self.cache_index: nnx.Cache | None = nnx.data(None)
-
-    def blocks(self) -> list[TransformerBlock]:
-        return [getattr(self, f"block_{layer}") for layer in range(self.config.num_layers)]
-
-    def init_cache(self, batch_size: int, dtype: Dtype | None = None) -> None:
-        """A zeroed cache for `batch_size` sequences of up to `config.max_len` tokens, in `dtype`
-        (default: the computation dtype, else the parameters')."""
-        config = self.config
-        dtype = dtype or config.dtype or config.param_dtype
-        for block in self.blocks():
-            block.attention.init_cache((batch_size, config.max_len, config.d_model), dtype)
-        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
-
-    def __call__(
-        self,
-        tokens: Array,
-        deterministic: bool = True,
-        decode: bool = False,
-        head_mask=None,
-        segment_ids=None,
-    ):
-        config = self.config
-        lm.check_tokens(tokens, decode, config, segment_ids)
-        if decode and self.cache_index is None:
-            raise ValueError("qkv_jax.nnx.TransformerLM: decoding needs init_cache(batch_size) first")
-        index = self.cache_index[...] if decode and self.cache_index is not None else None
-        new_index, positions = lm.token_positions(
-            tokens.shape[-1], index, segment_ids, lm.decode_capacity(config)
-        )
-        if self.cache_index is not None and index is not None:
-            self.cache_index[...] = new_index
-        x = self.hook_embed(self.token_embedding(tokens))  # (..., T, D)
-        if self.position_embedding is not None:
-            x = x + self.hook_pos_embed(lm.position_embeddings(self.position_embedding[...], positions, x))
-        x = self.dropout(x, deterministic=deterministic)
-        if head_mask is not None and jnp.shape(head_mask) != (config.num_layers, config.num_heads):
-            raise ValueError(
-                f"qkv_jax.nnx.TransformerLM: head_mask has shape {jnp.shape(head_mask)}, expected "
-                f"(num_layers, num_heads) = {(config.num_layers, config.num_heads)}"
-            )
-        for layer, block in enumerate(self.blocks()):
-            layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
-            x = block(x, deterministic, decode, layer_mask, segment_ids)  # (..., T, D)
-        logits = self.head(self.final_norm(x))  # (..., T, V)
-        return logits.astype(jnp.float32)
-
-
-def _sample(graphdef, state, prompt, rng, temperature, max_new_tokens, top_k):
-    """`generate`'s traced body: a fresh cache, then `lm.sample_with_cache` over the nnx model."""
-    model = nnx.merge(graphdef, state)
-    model.init_cache(prompt.shape[0])
-    graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
-
-    def step(cache, tokens):
-        decoder = nnx.merge(graphdef, cache, rest)
-        logits = decoder(tokens, decode=True)  # (B, T, V)
-        return logits, nnx.state(decoder, nnx.Cache)
-
-    return lm.sample_with_cache(step, cache, prompt, rng, temperature, max_new_tokens, top_k)
-
-
-_compiled_sample = jax.jit(_sample, static_argnames=("graphdef", "max_new_tokens", "top_k"))
-
-
-def generate(
-    model: TransformerLM,
-    prompt: Any,
-    max_new_tokens: int,
-    *,
-    rng: Array,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-) -> Array:
-    """`qkv_jax.lm.generate` for the nnx `TransformerLM`: `[B, max_new_tokens]` int32 tokens
-    after each row of `prompt` `[B, P]`, with the same checks and sampling. The model is not
-    changed (its own cache, if any, is left as it was)."""
-    prompt = jnp.asarray(prompt)
-    if not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ValueError(f"generate: prompt must hold integer tokens, got dtype {prompt.dtype}")
-    lm.check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
-    graphdef, state = nnx.split(model)
-    return _compiled_sample(
-        graphdef,
-        state,
-        prompt.astype(jnp.int32),
-        rng,
-        jnp.float32(temperature),
-        max_new_tokens=max_new_tokens,
-        top_k=top_k,
-    )
-
-
-def _load(module: Any, tree: Mapping[str, Any], path: str, kind: type[nnx.Variable]) -> None:
-    for name, value in tree.items():
-        where = f"{path}/{name}"
-        current = getattr(module, name, None)
-        if isinstance(value, Mapping):
-            if current is None:
-                raise ValueError(f"linen_to_nnx: {where} has no sub-module in the nnx model")
-            _load(current, value, where, kind)
-        elif isinstance(current, kind) and current.shape == jnp.shape(value):
-            current[...] = jnp.asarray(value)
-        elif kind is nnx.Cache and (current is None or isinstance(current, nnx.Cache)):
-            setattr(module, name, nnx.Cache(jnp.asarray(value)))  # a cache of another size
-        else:
-            found = (
-                "nothing" if current is None else f"{type(current).__name__} {getattr(current, 'shape', '')}"
-            )
-            raise ValueError(
-                f"linen_to_nnx: {where} of shape {jnp.shape(value)} does not fit the nnx model's {found}"
-            )
-
-
-def _paths(tree: Any) -> set[str]:
-    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def linen_to_nnx(variables: Mapping[str, Any], model: nnx.Module) -> nnx.Module:
-    """Loads linen variables (`params`, and a decode `cache` if present) into `model`, in place.
-
-    `model` is the nnx twin of the linen module the variables come from
-    (`MultiHeadAttention` or `TransformerLM` with the same settings); every
-    parameter must be present with its shape. Returns `model`.
-    """
-    params = variables["params"]
-    wanted, given = _paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))), _paths(params)
-    if wanted != given:
-        raise ValueError(
-            f"linen_to_nnx: parameters of the nnx model missing from the linen params: "
-            f"{sorted(wanted - given)}; linen params the nnx model lacks: {sorted(given - wanted)}"
-        )
-    _load(model, params, "params", nnx.Param)
-    if "cache" in variables:
-        _load(model, variables["cache"], "cache", nnx.Cache)
-    return model
-
-
-def nnx_to_linen(model: nnx.Module) -> dict[str, Any]:
-    """The linen variables of `model`: `{"params": ...}`, plus `"cache"` when it has a decode cache."""
-    variables = {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}
-    cache = nnx.to_pure_dict(nnx.state(model, nnx.Cache))
-    if cache:
-        variables["cache"] = cache
-    return variables
