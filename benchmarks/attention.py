@@ -767,13 +767,13 @@ def tune_blocks(args) -> None:
 
     An explicit (block_q, block_k) tiles both passes; the forward's time ranks the
     forward tiles and forward+backward less forward the backward's. The default
-    rule (`qkv_jax.chunked.block_sizes`) runs beside them as "default".
+    rule (`qkv_jax.attention.block_sizes`) runs beside them as "default".
     """
     import functools
 
     import jax
 
-    from qkv_jax.chunked import block_sizes, chunked_attention
+    from qkv_jax.attention import block_sizes, chunked_attention
 
     sizes = [*BLOCK_CANDIDATES, None]
     runners = {}

@@ -168,8 +168,8 @@ def same_cache_decode() -> dict:
 
     from configs import char_lm
     from qkv_jax.lm import kv_cache_bytes_per_token
-    from qkv_jax.studies.language_model import decode_tokens_per_second
     from qkv_jax.tasks.transformer import make_model
+    from studies.language_model import decode_tokens_per_second
 
     study = char_lm.get_config("study").to_dict()
     results = {}

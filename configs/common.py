@@ -11,6 +11,8 @@ these; keyword arguments set the experiment's values:
 import ml_collections
 from ml_collections import config_dict
 
+from qkv_jax.tasks.transformer import model_fields
+
 
 def base(experiment: str, seed: int = 0) -> ml_collections.ConfigDict:
     """The top of every config: what it is, and its seed."""
@@ -111,7 +113,9 @@ def mesh() -> ml_collections.ConfigDict:
 
 
 def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml_collections.ConfigDict:
-    """The `model` section of a TransformerLM (qkv_jax.TransformerConfig's fields)."""
+    """The `model` section of a TransformerLM (qkv_jax.TransformerConfig's fields): those below with
+    their comments, then every other field of TransformerConfig unset (its default; its meaning
+    is in TransformerConfig's docstring), e.g. `--config.model.norm=rms`."""
     section = ml_collections.ConfigDict()
     # Transformer blocks.
     section.num_layers = num_layers
@@ -132,7 +136,9 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     # Causal mask on; False trains a model that sees the tokens it predicts.
     section.causal = True
     # Dropout on the residual branches and embeddings.
-    section.dropout_rate = 0.0
+    section.residual_dropout_rate = 0.0
+    # The old name of residual_dropout_rate (works with a DeprecationWarning); unset.
+    section.dropout_rate = config_dict.placeholder(float)
     # Dropout on the attention weights.
     section.attention_dropout_rate = 0.0
     # Computation dtype: float32, bfloat16 or float16; unset = the parameters' (float32).
@@ -165,5 +171,10 @@ def transformer(*, num_layers: int, d_model: int, num_heads: int, max_len) -> ml
     # 1.0 = unscaled.
     section.attention_scale = config_dict.placeholder(float)
     # A learned sink logit per head and layer that takes attention weight and gives no value.
-    section.sinks = False
+    section.use_sinks = False
+    # The old name of use_sinks (works with a DeprecationWarning); unset.
+    section.sinks = config_dict.placeholder(bool)
+    for name, kind in model_fields().items():  # the rest: norms, MLP kinds, biases, RoPE scaling, ...
+        if name not in section:
+            section[name] = config_dict.placeholder(kind)
     return section

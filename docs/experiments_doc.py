@@ -398,7 +398,7 @@ def thermostat() -> str:
             "with respect to W_q and W_k, that gradient divided by the logits' scale (what the softmax "
             "passes back to the logits: logits = scale x q.k, so the weight gradient carries the scale "
             "once), and the attention rows' entropy and largest weight on the evaluation examples "
-            "(`qkv_jax/studies/mechanisms.py`).",
+            "(`studies/mechanisms.py`).",
             "",
             f"**Command:** `{shown(command)}`",
             "",
@@ -583,7 +583,7 @@ def logit_scale() -> str:
             "measures the gradient of the loss at W_q on 8 fixed training batches and the attention "
             f"entropy on 2000 fixed evaluation examples, with the accuracy (the top-attended position is "
             f"the flagged one); steps to converge is the first probe step at which the accuracy is at "
-            f"least {record['threshold']:g} (`qkv_jax/studies/variants.py`). The next section asks the "
+            f"least {record['threshold']:g} (`studies/variants.py`). The next section asks the "
             "same question of a char LM.",
             "",
             f"**Command:** `{shown(LOGIT_SCALE_COMMAND)}`",
@@ -620,7 +620,7 @@ def _lm_difference(row: dict, name: str, what: str) -> str:
 def _uniform_entropy(seq_len: int) -> float:
     """The mean entropy (nats) of causal rows uniform over their keys, over the queries the probe
     reads (position FIRST_QUERY and later): query t sees t + 1 keys."""
-    from qkv_jax.studies.sinks import FIRST_QUERY
+    from studies.sinks import FIRST_QUERY
 
     return sum(math.log(t + 1) for t in range(FIRST_QUERY, seq_len)) / (seq_len - FIRST_QUERY)
 
@@ -710,7 +710,7 @@ def lm_logit_scale() -> str:
             f"{seeds} seeds per cell trained together; seed s of every arm sees the same batches and starts "
             "from the same values of the parameters the arms share, so each arm is compared with "
             "1/sqrt(d_k) at the same d_k seed by seed (paired t intervals). Before training and every 50 "
-            "steps a probe (`logit_scale_lm_probe` in `qkv_jax/studies/variants.py`) measures the gradient "
+            "steps a probe (`logit_scale_lm_probe` in `studies/variants.py`) measures the gradient "
             "at every W_q on 8 fixed training batches, bits/char on one fixed held-out batch and the "
             "attention entropy of the queries at position 8 and later on 8 of its windows.",
             "",
@@ -854,7 +854,7 @@ def positions() -> str:
             "random sequences of 128 tokens, and the loss and accuracy on the repeated half of 64 fixed "
             "repeat-task sequences of 128, 256 and 512 tokens (the longer ones have longer segments: "
             "half the length, as the task builds them); the table reads the last probe. Each arm is "
-            "paired with RoPE seed by seed (`qkv_jax/studies/variants.py`).",
+            "paired with RoPE seed by seed (`studies/variants.py`).",
             "",
             f"**Command:** `{shown(POSITIONS_COMMAND)}`",
             "",
@@ -885,7 +885,7 @@ POSITIONS_LM_COMMAND = [
 
 
 def _positions_lm_answer(record: dict) -> str:
-    from qkv_jax.studies.stats import paired_difference
+    from studies.stats import paired_difference
 
     lengths, trained = record["lengths"], record["lengths"][0]
     rows = {r["arm"]: r for r in record["rows"]}
@@ -985,7 +985,7 @@ def positions_lm() -> str:
             f"max_len {record['max_len']}, so the learned table has a row for every position read "
             f"(rows past {lengths[0]} never receive a gradient). {seeds} seeds per arm trained together; "
             "seed s of every arm sees the same batches, so each arm is paired with RoPE seed by seed. "
-            f"Before training and every 50 steps a probe (`qkv_jax/studies/lm_positions.py`) scores "
+            f"Before training and every 50 steps a probe (`studies/lm_positions.py`) scores "
             f"{record['eval_windows']} fixed held-out windows of {lengths[0]}, {lengths[1]} and "
             f"{lengths[2]} characters, each on its second half "
             f"(positions {lengths[0] // 2}-{lengths[0] - 1}, "
@@ -1086,7 +1086,7 @@ def flag_reader_circuit() -> str:
             f"{record['d_model'] - 1} content channels and the flag as the last; d_k {record['d_k']}; "
             f"Adam at 0.01, batch 32, {record['train_steps']} steps), {seeds} seeds trained together. "
             "Before training and every 10 steps a probe (`flag_reader_geometry` in "
-            "`qkv_jax/studies/circuits.py`) measures cos(r, e_flag) (its square is the share of |r|^2 "
+            "`studies/circuits.py`) measures cos(r, e_flag) (its square is the share of |r|^2 "
             "on the flag channel), the same angle in key space, the logit the flag adds (scale r_flag) "
             "against the spread of the content's logits (scale |r_content|, content drawn from "
             "N(0, I)), and W_QK's singular values, effective rank (exp of the entropy of the "
@@ -1210,7 +1210,7 @@ def lm_kv_heads() -> str:
             f"Each variant trains {seeds} seeds together through the sweep launcher. The seeds are the "
             "same for every variant, and so are the batches each seed sees and the initial values of the "
             "parameters the variants share, so the comparison with MHA is paired per seed: intervals are "
-            "t-intervals of the per-seed differences (`qkv_jax/studies/stats.py`). Cache bytes come "
+            "t-intervals of the per-seed differences (`studies/stats.py`). Cache bytes come "
             "from the cache's shapes, decode speed from `qkv_jax.lm.generate` (a 1-token prompt, 127 new "
             "tokens; MLA with weight absorption, and in brackets rebuilding K and V every step).",
             "",
@@ -1293,7 +1293,7 @@ def lm_windows() -> str:
             "`model.window` "
             "`full`, `64`, `32`, `16` and `16,full` (layer 0 local, layer 1 global); "
             f"{seeds} seeds, each arm's seeds trained together on the same batches "
-            "(`qkv_jax/studies/windows.py`). "
+            "(`studies/windows.py`). "
             "Cache bytes from `qkv_jax.lm.kv_cache_bytes` (a local layer keeps a ring buffer of its window); "
             "decode speed from `generate` on freshly initialised parameters. Intervals are t-based 95% over "
             "seeds; differences from all global are paired by seed.",
@@ -1390,7 +1390,7 @@ def lm_sinks() -> str:
             "seeds, "
             "each arm's seeds trained together on the same batches. Before training and every 50 steps a "
             "probe "
-            "(`sink_probe` in `qkv_jax/studies/sinks.py`) reads every head's attention on "
+            "(`sink_probe` in `studies/sinks.py`) reads every head's attention on "
             f"{record['windows']} "
             f"held-out windows, over the queries at position {record['first_query']} and later (earlier ones "
             "see few keys): the weight on position 0, the entropy of the row, and the weight the sink took "
@@ -1475,7 +1475,7 @@ def lm_kv_views() -> str:
             f"minutes on 2 shared CPU cores. {seeds} seeds per variant, trained together, with the same "
             "batches and the same initial values of the shared parameters in every variant, so differences "
             "from MHA are paired per seed. Before training and every 50 steps a probe (`kv_views_probe` in "
-            "`qkv_jax/studies/circuits.py`) measures each head's W_QK = W_Q W_K^T effective rank (exp of the "
+            "`studies/circuits.py`) measures each head's W_QK = W_Q W_K^T effective rank (exp of the "
             "entropy of its normalised singular values; the attention LayerNorm folded in, a grouped head's "
             "W_K is its group's, the MLA latent folded into W_K) and every head's attention on "
             f"{record['windows']} fixed windows of 128 characters of held-out text. Two heads' patterns "
@@ -1784,7 +1784,7 @@ def induction_composition() -> str:
             f"**Design.** `configs/sequences.py:repeat` as in the study above (2-layer TransformerLM, "
             f"d_model 64, 4 heads, {record['train_steps']} AdamW steps), {seeds} seeds trained together. "
             "Before training and every 25 steps a probe (`induction_composition_probe` in "
-            "`qkv_jax/studies/circuits.py`) measures every head's induction score and previous-token weight "
+            "`studies/circuits.py`) measures every head's induction score and previous-token weight "
             "and the Q-, K- and V-composition scores of every head pair (`composition_scores` of "
             "`qkv_jax.interpretability`: ||W_OV^1 M^2||_F / (||W_OV^1||_F ||M^2||_F) with M^2 = W_QK^2^T "
             "for K; each block's attention LayerNorm folded into its weights). Per seed, the induction head "
@@ -1797,7 +1797,7 @@ def induction_composition() -> str:
             "(`repeat_batch`), clean as the task makes them and corrupted with every first-half token "
             "redrawn (the first copy lies in the first half, so the second copy is no longer predictable), "
             "each head's clean output (hook_z, every position) replaces its output in the corrupted run "
-            "(`patching_sweep`, `head_patching` in `qkv_jax/studies/circuits.py`); its share is (patched - "
+            "(`patching_sweep`, `head_patching` in `studies/circuits.py`); its share is (patched - "
             "corrupted) / (clean - corrupted) of the mean log-probability of the task's answers.",
             "",
             f"**Command** (about {fmt(record['wall_time_s'] / 60, 2)} minutes on 2 CPU cores): "
@@ -1885,7 +1885,7 @@ def excludes_zero(stats: dict) -> bool:
 
 
 def lm_lora_finetune() -> str:
-    from qkv_jax.studies.stats import paired_difference
+    from studies.stats import paired_difference
 
     command, record, image = finetune_study("lora_finetune")
     rows = {r["arm"]: r for r in record["rows"]}

@@ -251,11 +251,11 @@ def training_errors() -> Iterator[None]:
     otherwise."""
     import jax
 
-    from qkv_jax.studies.sweep import CellsFailed
     from qkv_jax.training import CheckpointMismatchError, ConfigError
     from qkv_jax.training.memory import InsufficientMemoryError
     from qkv_jax.training.preemption import EXIT_PREEMPTED, Preempted
     from qkv_jax.training.workdir import DiskFullError, WorkdirBusyError
+    from studies.sweep import CellsFailed
 
     try:
         yield

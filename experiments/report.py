@@ -42,8 +42,8 @@ def main(argv):
     del argv  # run_main refuses positional arguments
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.report.run import is_sweep, report_run
-    from qkv_jax.studies.results import report_sweep
     from qkv_jax.training import ConfigError
+    from studies.results import report_sweep
 
     if (FLAGS.clean is None) != (FLAGS.corrupted is None):
         given = "--clean" if FLAGS.clean is not None else "--corrupted"

@@ -24,7 +24,8 @@ r"""Run one study of learned attention; it writes its own results, table and plo
 Each study trains `--config` (default configs/char_lm.py:study; any
 `--config.<field>=` override applies to every run) and writes
 <workdir>/results.json, results.md (a table) and <study>.png. Re-running
-resumes: finished runs and sweep cells are read back, not retrained.
+resumes: finished runs and sweep cells are read back, not retrained. The studies
+themselves are the `studies` package beside this launcher (`studies/catalogue.py`).
 
   causal_mask    the same model with and without the causal mask: training loss,
                  honest (causal) validation loss, and what generation produces.
@@ -99,16 +100,16 @@ common.define_common_flags()
 
 
 def main(argv):
-    from qkv_jax.studies.catalogue import STUDIES
+    from studies.catalogue import STUDIES
 
     if len(argv) != 2 or argv[1] not in STUDIES:
         common.fail(f"give one study: {', '.join(STUDIES)} (got {argv[1:]})", code=2)
     if FLAGS.seeds < 1:
         common.fail(f"--seeds={FLAGS.seeds}: must be at least 1", code=2)
     common.enable_compilation_cache(FLAGS.compilation_cache)
-    from qkv_jax.studies.results import write_study_results
     from qkv_jax.training.setup import to_dict
     from qkv_jax.training.workdir import make_workdir
+    from studies.results import write_study_results
 
     name, workdir = argv[1], pathlib.Path(FLAGS.workdir)
     study = STUDIES[name]

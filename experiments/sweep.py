@@ -47,10 +47,10 @@ common.define_common_flags()
 
 def main(argv):
     del argv  # run_main refuses positional arguments
-    from qkv_jax.studies.grid import grid, parse_shard, parse_sweep_arg
-    from qkv_jax.studies.sweep import CellsFailed, run_sweep
     from qkv_jax.training import ConfigError
     from qkv_jax.training.setup import to_dict
+    from studies.grid import grid, parse_shard, parse_sweep_arg
+    from studies.sweep import CellsFailed, run_sweep
 
     config = to_dict(FLAGS.config)
     module, arg = common.config_file_module()

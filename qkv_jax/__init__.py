@@ -11,6 +11,7 @@ Flax modules:    StaticAttention, SelfAttentionV1, SelfAttention,
                  flax.linen.MultiHeadDotProductAttention, also under that name),
                  FlagReader
 Language model:  TransformerConfig, TransformerBlock, TransformerLM, generate, init_cache
+Hugging Face:    load_pretrained, save_pretrained (qkv_jax.pretrained: safetensors directories)
 Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
 Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
                  weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.text
@@ -21,30 +22,26 @@ Imported on use: qkv_jax.nnx (native flax.nnx MultiHeadAttention and
                  TransformerLM; flax.nnx imports optax), qkv_jax.interpretability
                  (activation caches, patching, attribution, circuits),
                  qkv_jax.plots (matplotlib figures), qkv_jax.training (the
-                 trainer), qkv_jax.tasks (the built-in tasks), qkv_jax.studies
-                 (sweeps and studies), qkv_jax.report (report.json, report.html)
+                 trainer), qkv_jax.tasks (the built-in tasks), qkv_jax.report
+                 (report.json, report.html); the sweeps and studies are the
+                 checkout's `studies` package, beside the launchers
 """
 
 from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, positions, text
 from qkv_jax.attention import (
     causal_mask,
+    chunked_attention,
     combine_masks,
     dot_product_attention,
     padding_mask,
     select_implementation,
 )
-from qkv_jax.chunked import chunked_attention
 from qkv_jax.diagnostics import collect_attention_weights, head_diagnostics, induction_scores
 from qkv_jax.lm import TransformerBlock, TransformerConfig, TransformerLM, generate, init_cache
 from qkv_jax.models import FlagReader
-from qkv_jax.modules import (
-    LearnedQueryAttention,
-    MultiHeadAttention,
-    MultiHeadDotProductAttention,
-    SelfAttention,
-    SelfAttentionV1,
-    StaticAttention,
-)
+from qkv_jax.modules import MultiHeadAttention, MultiHeadDotProductAttention
+from qkv_jax.pretrained import load_pretrained, save_pretrained
+from qkv_jax.teaching import LearnedQueryAttention, SelfAttention, SelfAttentionV1, StaticAttention
 
 __version__ = "0.1.0"
 
@@ -67,6 +64,8 @@ __all__ = [
     "TransformerLM",
     "generate",
     "init_cache",
+    "load_pretrained",
+    "save_pretrained",
     "collect_attention_weights",
     "head_diagnostics",
     "induction_scores",

@@ -6,7 +6,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from qkv_jax.attention import PrecisionLike
-from qkv_jax.modules import LearnedQueryAttention, MultiHeadAttention, StaticAttention
+from qkv_jax.modules import MultiHeadAttention
+from qkv_jax.teaching import LearnedQueryAttention, StaticAttention
 
 __all__ = ["FlagReader", "FLAG_READER_KINDS"]
 

@@ -1,26 +1,26 @@
-"""Flax linen attention modules, from parameter-free to multi-head, and the pure functions
-that multi-head attention is made of (shared with the flax.nnx modules in `qkv_jax.nnx`).
+"""Multi-head attention: one core, the linen face, and the pieces both faces share.
 
-Every module works on an unbatched `[S, D]` input and on any leading batch
-dims `[batch..., S, D]`; `jax.vmap` of `apply` over a batch equals the batched
-`apply`. All of them compute attention with `qkv_jax.dot_product_attention`.
-
-  StaticAttention        Q = K = V = X, nothing to learn (identity W).
-  SelfAttentionV1        raw `W_query`, `W_key`, `W_value` matrices [d_in, d_out].
-  SelfAttention          the same through `nn.Dense` layers.
-  LearnedQueryAttention  one learned query vector reads a sequence.
-  MultiHeadAttention     a drop-in for `flax.linen.MultiHeadDotProductAttention`
-                         (same call, fields, parameter and cache layout) with
-                         grouped K/V heads, latent K/V (MLA), LoRA adapters and
-                         multi-token decoding on top.
+  AttentionOptions      every option of multi-head attention, declared once (a
+                        frozen dataclass, checked when built)
+  multi_head_attention  the core: every check, the projections, RoPE, the hook
+                        points, the decode cache, the attention and W_O, for
+                        either face (`AttentionFace`: how a face makes its
+                        parameters and keeps its cache)
+  MultiHeadAttention    the linen face, a drop-in for
+                        `flax.linen.MultiHeadDotProductAttention` (same call,
+                        fields, parameter and cache layout) with grouped K/V
+                        heads, latent K/V (MLA), LoRA adapters and multi-token
+                        decoding on top; the nnx face is `qkv_jax.nnx.MultiHeadAttention`.
   MultiHeadDotProductAttention  the same class under flax's other name, so that
-                         unnamed instances get flax's default names (and so
-                         flax's parameter paths and random streams).
+                        unnamed instances get flax's default names (and so
+                        flax's parameter paths and random streams).
+  LayerNorm             flax's LayerNorm with TransformerLens's hook points (the
+                        "layernorm" kind of `qkv_jax.norms`).
 
-The multi-head pipeline, as pure functions both the linen and the nnx module call:
+The core's steps, as pure functions:
   project_inputs        inputs -> query `[..., T, N, H]` and what a cache holds
                         (K and V, or MLA's latent)
-  append_to_cache       writes T positions into a cache at its index
+  cache_step            writes T positions into a cache (in order, or a ring)
   attend_entries        K/V (or absorbed latents) -> attention -> head mask -> W_O
   flax_dot_product_attention  the default `attention_fn`: flax's signature,
                         `qkv_jax.dot_product_attention` underneath, flax's dropout
@@ -28,38 +28,67 @@ The multi-head pipeline, as pure functions both the linen and the nnx module cal
 Each takes `precision` (flax's spelling: None for JAX's default, 'highest',
 a `jax.lax.Precision`, a pair, ...), passed to every projection and to every
 dot of the attention itself, forward and backward.
+
+The teaching modules (`StaticAttention`, `SelfAttentionV1`, `SelfAttention`,
+`LearnedQueryAttention`) live in `qkv_jax.teaching`; importing them from here
+still works.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
-from qkv_jax.attention import IMPLEMENTATIONS, PrecisionLike, dot_product_attention
-from qkv_jax.chunked import window_pair
+from qkv_jax.attention import (
+    IMPLEMENTATIONS,
+    KeyVisibility,
+    PrecisionLike,
+    and_masks,
+    dot_product_attention,
+    visible_keys,
+    window_pair,
+)
+from qkv_jax.heads import (
+    AttentionRequest,
+    Inspectable,
+    _check_dropout,
+    _check_heads,
+    _check_inputs,
+    _check_lora,
+    _check_pattern_request,
+    _check_positive,
+    attend_heads,
+    torch_linear_init,
+)
+from qkv_jax.hooks import HookPoint
+from qkv_jax.hooks import hook as _hook
 from qkv_jax.lora import LoRADenseGeneral, effective_kernel
-from qkv_jax.positions import apply_rope, check_rope, rotary_dims, segment_positions
+from qkv_jax.norms import Norm, normalize
+from qkv_jax.positions import RopeScaling, apply_rope, check_rope, rotary_dims, segment_positions
 
 Array = jax.Array
 Dtype = Any
 Initializer = Any
 
 __all__ = [
-    "StaticAttention",
-    "SelfAttentionV1",
-    "SelfAttention",
-    "LearnedQueryAttention",
+    "AttentionOptions",
+    "OPTION_NAMES",
+    "AttentionFace",
+    "DecodeCache",
+    "multi_head_attention",
     "MultiHeadAttention",
     "MultiHeadDotProductAttention",
     "ATTENTION_LORA_TARGETS",
@@ -80,82 +109,22 @@ __all__ = [
     "hook_projections",
 ]
 
+# The teaching modules, importable from here as before (`__getattr__`; they import this module).
+TEACHING = ("StaticAttention", "SelfAttentionV1", "SelfAttention", "LearnedQueryAttention")
+
+
+def __getattr__(name: str) -> Any:
+    if name in TEACHING:
+        from qkv_jax import teaching
+
+        return getattr(teaching, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # MultiHeadAttention's projections a LoRA adapter can sit beside (kv_latent: MLA's down-projection).
 ATTENTION_LORA_TARGETS = ("query", "key", "value", "out", "kv_latent")
 
-# torch.nn.Linear's default: uniform in +-1/sqrt(fan_in), the start of learned
-# projections written in PyTorch.
-torch_linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-torch_linear_init.__doc__ = """Flax initializer `(key, shape, dtype) -> array`: uniform in +-1/sqrt(fan_in).
-
-torch.nn.Linear's default for its weight; with Dense/DenseGeneral, fan_in is
-the product of the kernel's input axes (e.g. E for a `[E, N, H]` projection).
-"""
-
-
-def _check_positive(owner: str, **sizes: Any) -> None:
-    for name, value in sizes.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
-
-
-def _check_dropout(owner: str, rate: float) -> None:
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{owner}: dropout_rate={rate!r} must be in [0, 1)")
-
-
-def _check_heads(owner: str, num_heads: int, num_kv_heads: int | None) -> None:
-    if num_kv_heads is not None and num_heads % num_kv_heads:
-        raise ValueError(f"{owner}: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-
-
-def _check_lora(
-    owner: str, rank: Any, alpha: Any, targets: Any, allowed: tuple[str, ...], kv_latent_dim: int | None
-) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"{owner}: lora_rank={rank!r} must be an int >= 0")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"{owner}: lora_alpha={alpha!r} must be a number > 0")
-    if isinstance(targets, str) or any(t not in allowed for t in targets):
-        raise ValueError(f"{owner}: lora_targets={targets!r} must be a tuple of {allowed}")
-    if rank and "kv_latent" in targets and kv_latent_dim is None:
-        raise ValueError(f"{owner}: lora_targets={targets!r} has 'kv_latent' but kv_latent_dim=None")
-
-
-def _check_inputs(owner: str, name: str, x: Array, min_rank: int = 2) -> None:
-    if x.ndim < min_rank:
-        raise ValueError(f"{owner}: {name} must have shape [batch..., length, features], got {x.shape}")
-
-
-def _dropout(module: nn.Module, rate: float, deterministic: bool) -> dict:
-    """`dropout_rate` and `dropout_rng` arguments: no dropout when deterministic."""
-    if deterministic or rate == 0.0:
-        return {"dropout_rate": 0.0, "dropout_rng": None}
-    return {"dropout_rate": rate, "dropout_rng": module.make_rng("dropout")}
-
-
-# ------------------------------------------------------------------------------ hook points
-
-
-class HookPoint(nn.Module):
-    """A named activation, `__call__(x) -> x`: no parameters, no computation.
-
-    A model passes what is worth reading or changing (queries, attention
-    patterns, the residual stream, ...) through a HookPoint named `hook_...`;
-    left alone it is the identity, which XLA removes. `qkv_jax.interpretability`
-    reads hook points with flax's `capture_intermediates` and changes their
-    values with `nn.intercept_methods` (`run_with_cache`, `run_with_hooks`).
-    """
-
-    def __call__(self, x: Array) -> Array:
-        return x
-
-
-def _hook(module: nn.Module, name: str, x: Array) -> Array:
-    """`x` through the HookPoint `name` of `module` (called inside its compact method)."""
-    return HookPoint(name=name, parent=module)(x)
+# ------------------------------------------------------------------------------------ norms
 
 
 def layer_norm(
@@ -166,33 +135,19 @@ def layer_norm(
     dtype: Dtype | None,
     hook: Callable[[str, Array], Array],
 ) -> Array:
-    """flax's LayerNorm over the last axis of `x` `[..., D]`, with `scale`, `bias` `[D]`.
-
-    The statistics as flax computes them (in at least float32, the variance as
-    E[x^2] - E[x]^2 clipped at 0); then, as TransformerLens names them, the
-    standard deviation sqrt(var + epsilon) `[..., 1]` passes through
-    `hook("hook_scale", .)` and the normalised input `[..., D]` through
-    `hook("hook_normalized", .)` before the affine map, so a patched scale
-    freezes the norm. Returns `[..., D]` in `dtype` (None: promoted from the
-    input and the parameters).
-    """
-    stats = x.astype(jnp.promote_types(dtype or x.dtype, jnp.float32))
-    mean = jnp.mean(stats, axis=-1, keepdims=True)  # (..., 1)
-    variance = jnp.maximum(0.0, jnp.mean(jnp.square(stats), axis=-1, keepdims=True) - jnp.square(mean))
-    std = hook("hook_scale", jnp.sqrt(variance + epsilon))  # (..., 1)
-    normalized = hook("hook_normalized", (x - mean) / std)  # (..., D)
-    lead = (1,) * (x.ndim - 1)
-    y = normalized * scale.reshape(*lead, -1) + bias.reshape(*lead, -1)  # (..., D)
-    return jnp.asarray(y, nn.dtypes.canonicalize_dtype(x, scale, bias, dtype=dtype))
+    """flax's LayerNorm over the last axis of `x` `[..., D]`, with `scale`, `bias` `[D]`: the
+    "layernorm" kind of `qkv_jax.norms.normalize` (hook_scale `[..., 1]`, hook_normalized
+    `[..., D]` through `hook`). Returns `[..., D]` in `dtype` (None: promoted)."""
+    return normalize(x, kind="layernorm", epsilon=epsilon, scale=scale, bias=bias, dtype=dtype, hook=hook)
 
 
 class LayerNorm(nn.Module):
     """`flax.linen.LayerNorm` (last axis, with scale and bias) with TransformerLens's two hook points.
 
-    The same parameters, `scale` (ones) and `bias` (zeros) `[D]`, so
-    checkpoints of `nn.LayerNorm` load unchanged, and the same statistics;
-    `hook_scale` `[..., 1]` and `hook_normalized` `[..., D]` in between
-    (`layer_norm`).
+    The "layernorm" kind of `qkv_jax.norms.Norm` under flax's fields: the same
+    parameters, `scale` (ones) and `bias` (zeros) `[D]`, so checkpoints of
+    `nn.LayerNorm` load unchanged, and the same statistics; `hook_scale`
+    `[..., 1]` and `hook_normalized` `[..., D]` in between.
     """
 
     epsilon: float = 1e-6
@@ -207,249 +162,6 @@ class LayerNorm(nn.Module):
         return layer_norm(x, scale, bias, self.epsilon, self.dtype, functools.partial(_hook, self))
 
 
-class AttentionRequest(NamedTuple):
-    """What an interpretability run asks of one attention layer; the default asks nothing.
-
-    pattern_heads: query heads whose scores and pattern are computed, beside
-      the attention's own path (chunked, cuDNN, XLA or MLA's absorbed one):
-      hook_attn_scores and hook_pattern `[..., len(pattern_heads), T, S]`;
-      those heads' outputs are then pattern @ V, so a changed pattern acts.
-    head_results: W_O applied per head, each head's write `[..., T, N, D]`
-      through hook_result, the output their sum plus b_O.
-    """
-
-    pattern_heads: tuple[int, ...] = ()
-    head_results: bool = False
-
-
-class Inspectable(nn.Module):
-    """A linen attention module that `qkv_jax.interpretability` can ask for patterns.
-
-    `interpretability_request()` returns the default `AttentionRequest()`;
-    an interpretability run intercepts this method (`nn.intercept_methods`)
-    to ask a layer for its pattern or its per-head results.
-    """
-
-    def interpretability_request(self) -> AttentionRequest:
-        """This layer's `AttentionRequest`: nothing, unless a run intercepts the call."""
-        return AttentionRequest()
-
-
-def _single_head(
-    module: Inspectable,
-    query: Array,
-    key: Array,
-    value: Array,
-    mask: Array | None,
-    deterministic: bool,
-) -> tuple[Array, Array]:
-    """One attention head on `[..., T, H]`, `[..., S, H]`, `[..., S, Hv]`.
-
-    `mask` broadcasts to `[..., T, S]`. Returns `[..., T, Hv]` and the attention
-    weights `[..., T, S]`. Reads `is_causal`, `scale`, `dropout_rate`,
-    `precision` and `sow_weights` from `module`; sown weights keep a head axis,
-    `[..., 1, T, S]`. Hook points with a head axis of 1: hook_q, hook_k, hook_v
-    `[..., T|S, 1, H]`, hook_z `[..., T, 1, Hv]` and, on request,
-    hook_attn_scores and hook_pattern `[..., 1, T, S]` (`attend_heads`).
-    """
-    hook = functools.partial(_hook, module)
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.ndim >= 2:
-            mask = jnp.expand_dims(mask, -3)  # (..., 1, T, S): one head
-    query = hook("hook_q", query[..., None, :])  # (..., T, 1, H)
-    key = hook("hook_k", key[..., None, :])  # (..., S, 1, H)
-    value = hook("hook_v", value[..., None, :])  # (..., S, 1, Hv)
-    options = dict(scale=module.scale, precision=module.precision)
-    dropout = _dropout(module, module.dropout_rate, deterministic)
-    output, weights = dot_product_attention(
-        query, key, value, mask=mask, is_causal=module.is_causal, **options, **dropout, return_weights=True
-    )
-    if module.sow_weights:  # with the head axis, as MultiHeadAttention sows them
-        module.sow("intermediates", "attention_weights", weights)  # (..., 1, T, S)
-    heads = module.interpretability_request().pattern_heads
-    if heads:
-        _check_pattern_request(type(module).__name__, heads, 1, dropout["dropout_rate"] > 0.0)
-        allowed = visible_keys(KeyVisibility(module.is_causal, mask=mask), query.shape[-3], key.shape[-3])
-        output, weights = attend_heads(hook, heads, output, query, key, value, allowed=allowed, **options)
-    output = hook("hook_z", output)  # (..., T, 1, Hv)
-    return output[..., 0, :], weights[..., 0, :, :]  # (..., T, Hv), (..., T, S)
-
-
-class StaticAttention(Inspectable):
-    """Parameter-free attention: Q = K = V = X, i.e. every W is the identity.
-
-    `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True,
-    return_weights=False)`: inputs `[batch..., T, D]` and `[batch..., S, D]`
-    (self-attention when `inputs_kv` is None), output `[batch..., T, D]`, and
-    the attention weights `[batch..., T, S]` when `return_weights`. `mask`
-    broadcasts to `[batch..., T, S]`. `scale` defaults to `1/sqrt(D)`; set it
-    to 1.0 for the unscaled `softmax(X X^T) X`. `precision`: of the two dots.
-    """
-
-    is_causal: bool = False
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-
-    def __post_init__(self):
-        _check_dropout("StaticAttention", self.dropout_rate)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs_q, inputs_kv=None, mask=None, deterministic=True, return_weights=False):
-        inputs_kv = inputs_q if inputs_kv is None else inputs_kv
-        _check_inputs("StaticAttention", "inputs_q", inputs_q)
-        _check_inputs("StaticAttention", "inputs_kv", inputs_kv)
-        output, weights = _single_head(self, inputs_q, inputs_kv, inputs_kv, mask, deterministic)
-        return (output, weights) if return_weights else output
-
-
-class SelfAttentionV1(Inspectable):
-    """Self-attention with raw learned matrices, the first form of learned attention.
-
-    Parameters `W_query`, `W_key`, `W_value` of shape `[d_in, d_out]`, drawn
-    uniform in [0, 1) as `torch.rand` does. `__call__(inputs, mask=None,
-    deterministic=True, return_weights=False)`: `[batch..., S, d_in]` to
-    `[batch..., S, d_out]` (and weights `[batch..., S, S]`). `precision`: of
-    the projections and the attention's dots.
-    """
-
-    d_out: int
-    is_causal: bool = False
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = nn.initializers.uniform(scale=1.0)
-
-    def __post_init__(self):
-        _check_positive("SelfAttentionV1", d_out=self.d_out)
-        _check_dropout("SelfAttentionV1", self.dropout_rate)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs, mask=None, deterministic=True, return_weights=False):
-        _check_inputs("SelfAttentionV1", "inputs", inputs)
-        shape = (inputs.shape[-1], self.d_out)  # (d_in, d_out)
-        W_query = self.param("W_query", self.kernel_init, shape, self.param_dtype)
-        W_key = self.param("W_key", self.kernel_init, shape, self.param_dtype)
-        W_value = self.param("W_value", self.kernel_init, shape, self.param_dtype)
-        inputs, W_query, W_key, W_value = nn.dtypes.promote_dtype(
-            inputs, W_query, W_key, W_value, dtype=self.dtype
-        )
-        query = jnp.matmul(inputs, W_query, precision=self.precision)  # (..., S, d_out)
-        key = jnp.matmul(inputs, W_key, precision=self.precision)  # (..., S, d_out)
-        value = jnp.matmul(inputs, W_value, precision=self.precision)  # (..., S, d_out)
-        output, weights = _single_head(self, query, key, value, mask, deterministic)
-        return (output, weights) if return_weights else output
-
-
-class SelfAttention(Inspectable):
-    """Self-attention through `nn.Dense` projections.
-
-    Sub-modules `W_query`, `W_key`, `W_value` are `nn.Dense(d_out)` (kernel
-    `[d_in, d_out]`, the transpose of `torch.nn.Linear.weight`), initialised
-    like `torch.nn.Linear`. `__call__` and `precision` as for `SelfAttentionV1`.
-    """
-
-    d_out: int
-    qkv_bias: bool = False
-    is_causal: bool = False
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = torch_linear_init
-
-    def __post_init__(self):
-        _check_positive("SelfAttention", d_out=self.d_out)
-        _check_dropout("SelfAttention", self.dropout_rate)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs, mask=None, deterministic=True, return_weights=False):
-        _check_inputs("SelfAttention", "inputs", inputs)
-
-        def dense(name):
-            return nn.Dense(
-                self.d_out,
-                use_bias=self.qkv_bias,
-                kernel_init=self.kernel_init,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                name=name,
-            )
-
-        query = dense("W_query")(inputs)  # (..., S, d_out)
-        key = dense("W_key")(inputs)  # (..., S, d_out)
-        value = dense("W_value")(inputs)  # (..., S, d_out)
-        output, weights = _single_head(self, query, key, value, mask, deterministic)
-        return (output, weights) if return_weights else output
-
-
-class LearnedQueryAttention(Inspectable):
-    """One learned query vector attends over a sequence.
-
-    Parameters: `query` `[D]` (standard normal) and bias-free `nn.Dense`
-    layers `W_query` (D -> d_k), `W_key` (D -> d_k) and `W_value` (D -> d_v).
-    `__call__(inputs, mask=None, deterministic=True)` maps `[batch..., S, D]`
-    to `(output [batch..., d_v], weights [batch..., S])`; `mask` is a key mask
-    broadcastable to `[batch..., S]`. `precision`: of the projections and the
-    attention's dots.
-    """
-
-    d_k: int
-    d_v: int
-    is_causal: bool = False  # kept for the shared head code; one query has no "future"
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = torch_linear_init
-    query_init: Initializer = nn.initializers.normal(stddev=1.0)
-
-    def __post_init__(self):
-        _check_positive("LearnedQueryAttention", d_k=self.d_k, d_v=self.d_v)
-        _check_dropout("LearnedQueryAttention", self.dropout_rate)
-        if self.is_causal:
-            raise ValueError("LearnedQueryAttention: is_causal=True has no meaning for one query")
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs, mask=None, deterministic=True):
-        _check_inputs("LearnedQueryAttention", "inputs", inputs)
-
-        def dense(features, name):
-            return nn.Dense(
-                features,
-                use_bias=False,
-                kernel_init=self.kernel_init,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                name=name,
-            )
-
-        query_vector = self.param("query", self.query_init, (inputs.shape[-1],), self.param_dtype)
-        query = dense(self.d_k, "W_query")(query_vector)  # (d_k,)
-        key = dense(self.d_k, "W_key")(inputs)  # (..., S, d_k)
-        value = dense(self.d_v, "W_value")(inputs)  # (..., S, d_v)
-        query = jnp.broadcast_to(query, (*key.shape[:-2], 1, self.d_k))  # (..., 1, d_k)
-        if mask is not None:
-            mask = jnp.asarray(mask)[..., None, :]  # (..., 1, S)
-        output, weights = _single_head(self, query, key, value, mask, deterministic)
-        return output[..., 0, :], weights[..., 0, :]  # (..., d_v), (..., S)
-
-
 # ------------------------------------------------------------------ masks shared by the pieces below
 
 
@@ -459,137 +171,6 @@ def _as_bool_mask(mask: Any) -> Array | None:
         return None
     mask = jnp.asarray(mask)
     return mask if mask.dtype == jnp.bool_ else mask != 0
-
-
-def _and_masks(*masks: Array | None) -> Array | None:
-    """Logical AND of boolean masks of any ranks, aligned at their trailing axes explicitly."""
-    present = [m for m in masks if m is not None]
-    if not present:
-        return None
-    rank = max(m.ndim for m in present)
-    combined = present[0].reshape((1,) * (rank - present[0].ndim) + present[0].shape)
-    for m in present[1:]:
-        combined = jnp.logical_and(combined, m.reshape((1,) * (rank - m.ndim) + m.shape))
-    return combined
-
-
-class KeyVisibility(NamedTuple):
-    """Which keys each query may attend to, besides the call's `mask`: the position arguments of
-    `qkv_jax.dot_product_attention`, and an explicit mask where positions are not in order.
-
-    is_causal: key s visible to query t when s <= t + query_offset.
-    query_offset: the key index of query 0 (None: 0, top-left; a decode cache's index).
-    window: (left, right), jax.nn's local_window_size: t + offset - left <= s <= t + offset + right.
-    segment_ids: (query ids `[batch..., T]`, key ids `[batch..., S]`): equal ids only.
-    mask: boolean `[T, S]` or None; a ring cache's keys, whose order is not their positions',
-      are described by this alone.
-    """
-
-    is_causal: bool
-    query_offset: Any = None
-    window: tuple[int, int] | None = None
-    segment_ids: tuple[Array, Array] | None = None
-    mask: Array | None = None
-
-
-def visible_keys(keys: KeyVisibility, T: int, S: int) -> Array | None:
-    """`keys` as one boolean mask broadcastable to `[batch..., 1, T, S]` (None: every key)."""
-    at = jnp.arange(T)[:, None] + (0 if keys.query_offset is None else keys.query_offset)  # (T, 1)
-    key_pos = jnp.arange(S)[None, :]  # (1, S)
-    masks = [keys.mask]
-    if keys.is_causal:
-        masks.append(key_pos <= at)  # (T, S)
-    if keys.window is not None:
-        left, right = keys.window
-        masks.append((key_pos >= at - left) & (key_pos <= at + right))  # (T, S)
-    if keys.segment_ids is not None:
-        query_ids, key_ids = keys.segment_ids
-        masks.append(query_ids[..., None, :, None] == key_ids[..., None, None, :])  # (batch..., 1, T, S)
-    return _and_masks(*masks)
-
-
-def _check_pattern_request(owner: str, heads: tuple[int, ...], num_heads: int, dropping: bool) -> None:
-    """ValueError unless every requested pattern head is in [0, num_heads) and no dropout is on."""
-    if any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_heads for h in heads):
-        raise ValueError(f"{owner}: pattern_heads={heads!r} must be query heads in [0, {num_heads})")
-    if dropping:
-        raise ValueError(
-            f"{owner}: attention patterns requested with attention dropout on; run deterministic=True"
-        )
-
-
-def _softmax_with_sinks(logits: Array, sinks: Array | None) -> Array:
-    """softmax over the last axis of `logits` `[..., N, T, S]` with an extra logit per head `sinks`
-    `[N]` in each denominator (None: none); rows without a finite logit (and no sink) are zero."""
-    sink = None if sinks is None else sinks.astype(logits.dtype)[:, None, None]  # (N, 1, 1)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)  # (..., N, T, 1)
-    if sink is not None:
-        sink = sink.reshape((1,) * (logits.ndim - 3) + sink.shape)
-        row_max = jnp.maximum(row_max, sink)
-    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    unnormalized = jnp.exp(logits - row_max)  # (..., N, T, S)
-    denominator = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    if sink is not None:
-        denominator = denominator + jnp.exp(sink - row_max)
-    return unnormalized / jnp.where(denominator > 0, denominator, 1.0)
-
-
-def attend_heads(
-    hook: Callable[[str, Array], Array],
-    heads: tuple[int, ...],
-    output: Array,
-    query: Array,
-    key: Array,
-    value: Array,
-    *,
-    allowed: Array | None,
-    scale: Any,
-    precision: PrecisionLike,
-    bias: Array | None = None,
-    soft_cap: float | None = None,
-    sinks: Array | None = None,
-) -> tuple[Array, Array]:
-    """The attention of `heads` (query heads) again, explicitly, with their scores and pattern hooked.
-
-    `output` `[..., T, N, Hv]` is the attention's result on its own path;
-    `query` `[..., T, N, H]`, `key` `[..., S, K, H]`, `value` `[..., S, K, Hv]`
-    (query head n reads kv head n // (N / K)); `allowed` boolean,
-    broadcastable to `[..., N|1, T, S]`; `bias` `[..., N|1, T|1, S|1]`,
-    `scale` (None: 1/sqrt(H)), `soft_cap` and `sinks` `[N]` as the attention
-    takes them. For the n = len(heads) heads only (O(n T S) memory): scores
-    `[..., n, T, S]` (scaled, biased, capped, -inf where not allowed) through
-    `hook("hook_attn_scores", .)`, their softmax through `hook("hook_pattern", .)`,
-    and pattern @ V in place of those heads' outputs. Returns (output, pattern).
-    """
-    N, K = query.shape[-2], key.shape[-2]
-    picked = jnp.array(heads)  # (n,)
-    kv = picked // (N // K)  # (n,): each head's kv head
-    compute_dtype = jnp.promote_types(jnp.result_type(query, key), jnp.float32)
-    scores = jnp.einsum(
-        "...tnh,...snh->...nts",
-        query[..., picked, :],
-        key[..., kv, :],
-        preferred_element_type=compute_dtype,
-        precision=precision,
-    )  # (..., n, T, S)
-    scores = scores * jnp.asarray(query.shape[-1] ** -0.5 if scale is None else scale, compute_dtype)
-
-    def per_head(x: Array) -> Array:  # (..., N|1, T|1, S|1) -> (..., n|1, T|1, S|1), rank of the scores
-        x = x.reshape((1,) * (scores.ndim - x.ndim) + x.shape)
-        return x[..., picked, :, :] if x.shape[-3] == N else x
-
-    if bias is not None:
-        scores = scores + per_head(bias).astype(compute_dtype)
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    if allowed is not None:
-        scores = jnp.where(per_head(allowed), scores, -jnp.inf)
-    scores = hook("hook_attn_scores", scores)  # (..., n, T, S)
-    pattern = hook("hook_pattern", _softmax_with_sinks(scores, None if sinks is None else sinks[picked]))
-    blended = jnp.einsum(
-        "...nts,...snv->...tnv", pattern, value[..., kv, :].astype(pattern.dtype), precision=precision
-    )  # (..., T, n, Hv)
-    return output.at[..., picked, :].set(blended.astype(output.dtype)), pattern
 
 
 # ----------------------------------------------------------------- the default attention_fn
@@ -725,63 +306,92 @@ def _dropped_output(
 
 # ------------------------------------------------------------- multi-head attention, step by step
 
+# The name every multi-head attention error starts with, the linen face's and the nnx face's alike.
+OWNER = "MultiHeadAttention"
+# normalize_qk's kinds (True is "layernorm", False none) and qk_norm_width's widths.
+QK_NORMS = ("layernorm", "rms", "rms_offset")
+QK_NORM_WIDTHS = ("head", "full")
 
-class AttentionSettings(Protocol):
-    """What the pure functions read from a module (linen `MultiHeadAttention` or its nnx twin)."""
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """Every option of multi-head attention, declared once; the checks run when it is built.
+
+    The linen `MultiHeadAttention`'s fields and the nnx `MultiHeadAttention`'s
+    constructor keywords carry these names and defaults (tests/test_faces_attention.py
+    holds them equal); each face builds one `AttentionOptions` from them
+    (`AttentionOptions.pick`) and the core reads nothing else. The meaning of
+    each field is in the linen `MultiHeadAttention`'s docstring. What only one
+    face has stays there: the initializers, `dot_general`s, `decode` and
+    `deterministic` (flax's defaults differ between linen and nnx), nnx's
+    `in_features`, `rngs` and metadata.
+    """
+
+    # Sizes: N query heads, K key/value heads, head depths, MLA's latent.
+    num_heads: int
+    qkv_features: int | None = None
+    out_features: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    kv_latent_dim: int | None = None
+    absorb_latent: bool = True
+    # The projections: biases, dtypes, precision, LoRA adapters.
+    use_bias: bool = True
+    out_bias: bool | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("query", "value")
+    # QK-norm of the projected queries and keys.
+    normalize_qk: bool | str = False
+    qk_norm_width: str = "head"
+    qk_norm_epsilon: float = 1e-6
+    # Positions: RoPE, causality, the window.
+    rope_base: float | None = None
+    rope_fraction: float = 1.0
+    rope_scaling: RopeScaling | None = None
+    is_causal: bool = False
+    local_window_size: int | tuple[int, int] | None = None
+    # The attention itself.
+    attention_fn: Callable[..., Array] = flax_dot_product_attention
+    attention_implementation: str | None = None
+    scale: float | None = None
+    attn_logits_soft_cap: float | None = None
+    use_sinks: bool = False
+    force_fp32_for_softmax: bool = False
+    qk_attn_weights_einsum_cls: Any = None
+    attn_weights_value_einsum_cls: Any = None
+    # Attention-weight dropout and sown weights.
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = True
+    sow_weights: bool = False
+
+    def __post_init__(self):
+        check_attention_settings(OWNER, self)
+
+    @classmethod
+    def pick(cls, given: Mapping[str, Any]) -> AttentionOptions:
+        """The options named in `given` (a face's fields or keywords); the others at their defaults."""
+        return cls(
+            **{field.name: given[field.name] for field in dataclasses.fields(cls) if field.name in given}
+        )
 
     @property
-    def num_heads(self) -> int: ...
+    def qk_norm(self) -> str | None:
+        """`normalize_qk` as one of `QK_NORMS`, or None (no norm)."""
+        return qk_norm_kind(OWNER, self.normalize_qk)
 
     @property
-    def scale(self) -> float | None: ...
+    def bias_of_out(self) -> bool:
+        """Whether W_O has a bias: `out_bias`, None meaning `use_bias`."""
+        return self.use_bias if self.out_bias is None else self.out_bias
 
-    @property
-    def dropout_rate(self) -> float: ...
 
-    @property
-    def broadcast_dropout(self) -> bool: ...
-
-    @property
-    def dtype(self) -> Dtype | None: ...
-
-    @property
-    def precision(self) -> PrecisionLike: ...
-
-    @property
-    def force_fp32_for_softmax(self) -> bool: ...
-
-    @property
-    def attention_fn(self) -> Callable[..., Array]: ...
-
-    @property
-    def attention_implementation(self) -> str | None: ...
-
-    @property
-    def absorb_latent(self) -> bool: ...
-
-    @property
-    def local_window_size(self) -> int | tuple[int, int] | None: ...
-
-    @property
-    def rope_base(self) -> float | None: ...
-
-    @property
-    def rope_fraction(self) -> float: ...
-
-    @property
-    def attn_logits_soft_cap(self) -> float | None: ...
-
-    @property
-    def use_sinks(self) -> bool: ...
-
-    @property
-    def lora_alpha(self) -> float: ...
-
-    @property
-    def qk_attn_weights_einsum_cls(self) -> Any: ...
-
-    @property
-    def attn_weights_value_einsum_cls(self) -> Any: ...
+# The option names, in declaration order.
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(AttentionOptions))
 
 
 class AttentionLayers(NamedTuple):
@@ -790,7 +400,8 @@ class AttentionLayers(NamedTuple):
     query `[..., T, D] -> [..., T, N, H]`; key and value `[..., S, D_kv] ->
     [..., S, K, H]` / `[..., S, K, Hv]` (with MLA they read the latent `[..., S,
     C]`); out `[..., T, N, Hv] -> [..., T, D_out]`; kv_latent (MLA only) `[...,
-    S, D_kv] -> [..., S, C]`; query_ln and key_ln (normalize_qk) over H;
+    S, D_kv] -> [..., S, C]`; query_ln and key_ln (normalize_qk) over the last
+    axis of what `qk_norm_width` gives them (H, or N * H and K * H);
     sinks (use_sinks) the learned sink logits `[N]`, one per query head.
     `params(name)` is the parameter mapping of projection `name` (`kernel`,
     `bias`, `lora_a`, `lora_b`), read by MLA's weight absorption and by
@@ -812,10 +423,9 @@ class AttentionLayers(NamedTuple):
     request: AttentionRequest
 
 
-def check_attention_settings(owner: str, settings: Any) -> None:
-    """Every check of a multi-head attention's settings, run where the module is built.
+def check_attention_settings(owner: str, settings: AttentionOptions) -> None:
+    """Every check of a multi-head attention's options (`AttentionOptions` runs them when built).
 
-    `settings` has the fields of `MultiHeadAttention` (linen or nnx).
     ValueError naming the field and its value.
     """
     _check_lora(
@@ -840,13 +450,31 @@ def check_attention_settings(owner: str, settings: Any) -> None:
     _check_dropout(owner, settings.dropout_rate)
     if settings.qkv_features is not None:
         resolve_head_dim(owner, settings.num_heads, settings.head_dim, settings.qkv_features, None)
-    latent = settings.kv_latent_dim is not None
-    if qk_norm_kind(owner, settings.normalize_qk) and latent and settings.absorb_latent:
+    _check_qk_norm(owner, settings)
+    _check_positions(owner, settings)
+    _check_attention_fn(owner, settings)
+
+
+def _check_qk_norm(owner: str, settings: AttentionOptions) -> None:
+    """normalize_qk, qk_norm_width and qk_norm_epsilon: ValueError naming the field and its value."""
+    kind = qk_norm_kind(owner, settings.normalize_qk)
+    if settings.qk_norm_width not in QK_NORM_WIDTHS:
+        raise ValueError(
+            f"{owner}: qk_norm_width={settings.qk_norm_width!r} must be one of {', '.join(QK_NORM_WIDTHS)}"
+        )
+    epsilon = settings.qk_norm_epsilon
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon < math.inf:
+        raise ValueError(f"{owner}: qk_norm_epsilon={epsilon!r} must be a finite number > 0")
+    if kind and settings.kv_latent_dim is not None and settings.absorb_latent:
         raise ValueError(
             f"{owner}: normalize_qk={settings.normalize_qk!r} with kv_latent_dim={settings.kv_latent_dim} "
             "needs absorb_latent=False (a norm of the keys does not fold into the query)"
         )
-    _check_positions(owner, settings)
+
+
+def _check_attention_fn(owner: str, settings: AttentionOptions) -> None:
+    """ValueError when `attention_fn` takes no argument the other options need."""
+    latent = settings.kv_latent_dim is not None
     accepted = inspect.signature(settings.attention_fn).parameters
     needs = {
         "scale": settings.scale is not None or (latent and settings.absorb_latent),
@@ -869,17 +497,20 @@ def check_attention_settings(owner: str, settings: Any) -> None:
 
 def qk_norm_kind(owner: str, normalize_qk: Any) -> str | None:
     """`normalize_qk` read: False (or None) no norm, True or "layernorm" flax's LayerNorm (no
-    bias), "rms" an RMSNorm; None, "layernorm" or "rms". ValueError naming the value otherwise."""
+    bias), "rms" an RMSNorm, "rms_offset" Gemma's RMSNorm (x_hat * (1 + scale)); None or one of
+    `QK_NORMS`. ValueError naming the value otherwise."""
     if normalize_qk is None or normalize_qk is False:
         return None
-    if normalize_qk is True or normalize_qk == "layernorm":
+    if normalize_qk is True:
         return "layernorm"
-    if normalize_qk == "rms":
-        return "rms"
-    raise ValueError(f"{owner}: normalize_qk={normalize_qk!r} must be False, True, 'layernorm' or 'rms'")
+    if isinstance(normalize_qk, str) and normalize_qk in QK_NORMS:
+        return normalize_qk
+    raise ValueError(
+        f"{owner}: normalize_qk={normalize_qk!r} must be False, True, 'layernorm', 'rms' or 'rms_offset'"
+    )
 
 
-def _check_positions(owner: str, settings: Any) -> None:
+def _check_positions(owner: str, settings: AttentionOptions) -> None:
     """The window, RoPE and soft-cap settings: ValueError naming the field and its value."""
     window = window_pair(settings.local_window_size, owner)
     if window is not None and min(window) < 0:
@@ -889,6 +520,11 @@ def _check_positions(owner: str, settings: Any) -> None:
         raise ValueError(
             f"{owner}: rope_base={settings.rope_base} with kv_latent_dim={settings.kv_latent_dim}: RoPE "
             "with MLA is not defined without DeepSeek-V2's decoupled rotary key, which qkv_jax does not have"
+        )
+    if settings.rope_scaling is not None and not isinstance(settings.rope_scaling, RopeScaling):
+        raise ValueError(
+            f"{owner}: rope_scaling={settings.rope_scaling!r} must be a qkv_jax.positions.RopeScaling "
+            "(or None)"
         )
     check_soft_cap(owner, settings.attn_logits_soft_cap)
     check_jax_nn_path(
@@ -992,28 +628,35 @@ def resolve_head_dim(
     return width // num_heads
 
 
+def normalize_heads(norm: Callable[[Array], Array] | None, x: Array, width: str) -> Array:
+    """`norm` (query_ln or key_ln; None: none) of `x` `[..., T, heads, H]`: over each head's H
+    (`width` "head"), or over all its heads * H features at once ("full")."""
+    if norm is None:
+        return x
+    if width == "head":
+        return norm(x)
+    return norm(x.reshape(*x.shape[:-2], -1)).reshape(x.shape)  # (..., T, heads * H) -> (..., T, heads, H)
+
+
 def project_inputs(
-    layers: AttentionLayers, inputs_q: Array, inputs_k: Array, inputs_v: Array
+    layers: AttentionLayers, qk_norm_width: str, inputs_q: Array, inputs_k: Array, inputs_v: Array
 ) -> tuple[Array, dict[str, Array]]:
     """Query `[..., T, N, H]` and the per-position entries a decode cache keeps.
 
     Entries: `key` `[..., S, K, H]` and `value` `[..., S, K, Hv]` (after
-    `key_ln`), or with MLA (`layers.kv_latent`) the `latent` `[..., S, C]`
-    that both are rebuilt from, which needs one input for keys and values.
+    `key_ln`, over `qk_norm_width`), or with MLA (`layers.kv_latent`) the
+    `latent` `[..., S, C]` that both are rebuilt from, which needs one input
+    for keys and values.
     """
-    query = layers.query(inputs_q)  # (..., T, N, H)
-    if layers.query_ln is not None:
-        query = layers.query_ln(query)
+    query = normalize_heads(layers.query_ln, layers.query(inputs_q), qk_norm_width)  # (..., T, N, H)
     if layers.kv_latent is not None:
         if inputs_v is not inputs_k:
             raise ValueError(
-                "MultiHeadAttention: with kv_latent_dim, keys and values are rebuilt from one latent; "
+                f"{OWNER}: with kv_latent_dim, keys and values are rebuilt from one latent; "
                 "pass one input (inputs_k) for both"
             )
         return query, {"latent": layers.kv_latent(inputs_k)}  # (..., S, C)
-    key = layers.key(inputs_k)  # (..., S, K, H)
-    if layers.key_ln is not None:
-        key = layers.key_ln(key)
+    key = normalize_heads(layers.key_ln, layers.key(inputs_k), qk_norm_width)  # (..., S, K, H)
     return query, {"key": key, "value": layers.value(inputs_v)}  # (..., S, K, Hv)
 
 
@@ -1036,20 +679,22 @@ def input_positions(owner: str, T: int, S: int, start: Any, segment_ids: Array |
 
 def rotate_inputs(
     owner: str,
-    settings: AttentionSettings,
+    settings: AttentionOptions,
     query: Array,
     entries: Mapping[str, Array],
     query_positions: Array,
     key_positions: Array,
 ) -> tuple[Array, dict[str, Array]]:
-    """RoPE (`settings.rope_base`; None: none) on the query `[..., T, N, H]` and the key entry
-    `[..., S, K, H]` by their positions (`input_positions`), after the projections and
-    query_ln/key_ln and before the decode cache, which so holds rotated keys. The leading
-    int(H * rope_fraction) dims of each head rotate (`qkv_jax.positions`)."""
+    """RoPE (`settings.rope_base`, scaled by `settings.rope_scaling`; None: none) on the query
+    `[..., T, N, H]` and the key entry `[..., S, K, H]` by their positions (`input_positions`),
+    after the projections and query_ln/key_ln and before the decode cache, which so holds
+    rotated keys. The leading int(H * rope_fraction) dims of each head rotate (`qkv_jax.positions`)."""
     if settings.rope_base is None:
         return query, dict(entries)
     rotary_dims(query.shape[-1], settings.rope_fraction, owner)  # the error names the owner
-    rope = functools.partial(apply_rope, base=settings.rope_base, fraction=settings.rope_fraction)
+    rope = functools.partial(
+        apply_rope, base=settings.rope_base, fraction=settings.rope_fraction, scaling=settings.rope_scaling
+    )
     return rope(query, query_positions), {**entries, "key": rope(entries["key"], key_positions)}
 
 
@@ -1202,7 +847,7 @@ def cache_step(
 
 
 def _call_attention_fn(
-    settings: AttentionSettings,
+    settings: AttentionOptions,
     query: Array,
     key: Array,
     value: Array,
@@ -1223,7 +868,7 @@ def _call_attention_fn(
     function without one of those that it needs, an explicit mask.
     """
     accepted = inspect.signature(settings.attention_fn).parameters
-    mask = _and_masks(mask, keys.mask)
+    mask = and_masks(mask, keys.mask)
     needed = {
         "is_causal": keys.is_causal,
         "query_offset": keys.query_offset is not None and (keys.is_causal or keys.window is not None),
@@ -1232,7 +877,7 @@ def _call_attention_fn(
         "key_segment_ids": keys.segment_ids is not None,
     }
     if any(need and name not in accepted for name, need in needed.items()):
-        mask = _and_masks(mask, visible_keys(keys._replace(mask=None), query.shape[-3], key.shape[-3]))
+        mask = and_masks(mask, visible_keys(keys.replace(mask=None), query.shape[-3], key.shape[-3]))
         keys = KeyVisibility(False)
     query_ids, key_ids = keys.segment_ids or (None, None)
     arguments = dict(
@@ -1264,7 +909,7 @@ def _call_attention_fn(
 
 
 def _absorbed_key_bias(
-    settings: AttentionSettings, grouped: Array, key_params: Mapping[str, Array], scale, scored: bool
+    settings: AttentionOptions, grouped: Array, key_params: Mapping[str, Array], scale, scored: bool
 ):
     """`[..., N, T, 1]`: scale * q_n b_K[k], the part of each logit the latents leave out, or None.
 
@@ -1299,7 +944,7 @@ def _absorbed_value_bias(
     if weight_sums is not None:
         return output + weight_sums * value_bias
     if mask is not None:  # without one, every decoding query sees at least its own position
-        visible = _and_masks(mask, visible_keys(keys, output.shape[-3], L), jnp.ones((1, 1, 1), jnp.bool_))
+        visible = and_masks(mask, visible_keys(keys, output.shape[-3], L), jnp.ones((1, 1, 1), jnp.bool_))
         assert visible is not None  # (..., N|1, T, L)
         has_key = jnp.swapaxes(jnp.any(visible, axis=-1), -1, -2)[..., None]  # (..., T, N|1, 1)
         has_key = has_key.reshape((1,) * (output.ndim - has_key.ndim) + has_key.shape)
@@ -1308,7 +953,7 @@ def _absorbed_value_bias(
 
 
 def _absorbed(
-    settings: AttentionSettings,
+    settings: AttentionOptions,
     layers: AttentionLayers,
     query: Array,
     latent: Array,
@@ -1367,7 +1012,7 @@ def _absorbed(
 
 
 def _attend_requested(
-    settings: AttentionSettings,
+    settings: AttentionOptions,
     layers: AttentionLayers,
     attend: Callable[..., Array],
     mask: Array | None,
@@ -1381,7 +1026,7 @@ def _attend_requested(
 ) -> Array:
     """`attend` (the attention on its own path), then the requested heads' patterns (`attend_heads`)."""
     output = attend(query, key, value, scale=scale, bias=bias)  # (..., T, N, Hv)
-    allowed = _and_masks(mask, visible_keys(keys, query.shape[-3], key.shape[-3]))
+    allowed = and_masks(mask, visible_keys(keys, query.shape[-3], key.shape[-3]))
     output, _ = attend_heads(
         layers.hook,
         layers.request.pattern_heads,
@@ -1399,7 +1044,7 @@ def _attend_requested(
     return output
 
 
-def _project_out(settings: AttentionSettings, layers: AttentionLayers, z: Array) -> Array:
+def _project_out(settings: AttentionOptions, layers: AttentionLayers, z: Array) -> Array:
     """W_O on the heads' outputs `[..., T, N, Hv]` -> `[..., T, D_out]`. With `request.head_results`
     per head first: hook_result `[..., T, N, D_out]` (the effective kernel, LoRA included, through a
     plain einsum), then their sum plus b_O."""
@@ -1416,7 +1061,7 @@ def _project_out(settings: AttentionSettings, layers: AttentionLayers, z: Array)
 
 
 def attend_entries(
-    settings: AttentionSettings,
+    settings: AttentionOptions,
     layers: AttentionLayers,
     query: Array,
     entries: Mapping[str, Array],
@@ -1457,16 +1102,14 @@ def attend_entries(
     if layers.request.pattern_heads:
         dropping = not deterministic and settings.dropout_rate > 0.0
         heads = layers.request.pattern_heads
-        _check_pattern_request(type(settings).__name__, heads, settings.num_heads, dropping)
+        _check_pattern_request(OWNER, heads, settings.num_heads, dropping)
         attend = functools.partial(_attend_requested, settings, layers, attend, mask, keys)
     if "latent" not in entries:
         output = attend(query, entries["key"], entries["value"], scale=settings.scale)  # (..., T, N, Hv)
     elif decoding and settings.absorb_latent:
         output = _absorbed(settings, layers, query, entries["latent"], mask, keys, attend)
     else:
-        key = layers.key(entries["latent"])  # (..., S, K, H)
-        if layers.key_ln is not None:
-            key = layers.key_ln(key)
+        key = normalize_heads(layers.key_ln, layers.key(entries["latent"]), settings.qk_norm_width)
         key, value = layers.hook("hook_k", key), layers.hook("hook_v", layers.value(entries["latent"]))
         output = attend(query, key, value, scale=settings.scale)  # (..., T, N, Hv)
     if head_mask is not None:  # (batch..., N): one factor per head
@@ -1474,6 +1117,137 @@ def attend_entries(
         output = output * factors.reshape((1,) * (output.ndim - factors.ndim) + factors.shape)
     output = _project_out(settings, layers, layers.hook("hook_z", output))  # (..., T, D_out)
     return output if fits is None else jnp.where(fits, output, jnp.nan)
+
+
+class DecodeCache(NamedTuple):
+    """A face's decode cache as arrays: `cached` entries `[batch..., L, ...]` (`cached_<name>`),
+    `cache_index` (positions filled) and `store(written, index)`, which writes the new
+    ones into the face's variables."""
+
+    cached: Mapping[str, Array]
+    cache_index: Array
+    store: Callable[[Mapping[str, Array], Array], None]
+
+
+class AttentionFace(NamedTuple):
+    """What a face (the linen or the nnx `MultiHeadAttention`) gives `multi_head_attention` for a call.
+
+    options: its `AttentionOptions`.
+    layers: the queries' input width -> the layer's learned pieces (`AttentionLayers`).
+    widths: the input width each input's projection was built for, by input name
+      (`inputs_q`, `inputs_k`, `inputs_v`; None: not built yet, as in linen's `init`).
+    cache: (the new entries, their position axis) -> the decode cache, or None where this call
+      creates it (linen's `init`), which is then an ordinary pass.
+    decode, is_causal: this call's (the call's argument, else the face's field).
+    deterministic: (the field, the call's, strict): `resolve_flag`'s arguments.
+    dropout_rng: the dropout key, asked for only when the weights are dropped.
+    sow_module: the module the attention weights are sown into, or None.
+    """
+
+    options: AttentionOptions
+    layers: Callable[[int], AttentionLayers]
+    widths: Mapping[str, int | None]
+    cache: Callable[[Mapping[str, Array], int], DecodeCache | None]
+    decode: bool
+    is_causal: bool
+    deterministic: tuple[bool | None, bool | None, bool]
+    dropout_rng: Callable[[], Array]
+    sow_module: Any
+
+
+def resolve_flag(name: str, field: bool | None, call: bool | None, strict: bool = False) -> bool:
+    """A face's `decode` or `deterministic`: the call's, else the field's; ValueError when neither
+    is given, and with `strict` (flax.linen's `merge_param` rule for `deterministic`) when both are."""
+    if field is None and call is None:
+        raise ValueError(f'{OWNER}: Parameter "{name}" must be passed to the constructor or at call time.')
+    if strict and field is not None and call is not None:
+        raise ValueError(
+            f'{OWNER}: Parameter "{name}" was passed to the constructor and at call time. Should be passed '
+            "just once."
+        )
+    return bool(call if call is not None else field)
+
+
+def check_widths(widths: Mapping[str, int | None], inputs: Mapping[str, Array]) -> None:
+    """ValueError naming the input, its width and the projection's, for an input of another width
+    than its projection was built for (`AttentionFace.widths`)."""
+    fields = {"inputs_q": "in_features", "inputs_k": "in_kv_features", "inputs_v": "in_kv_features"}
+    for name, x in inputs.items():
+        width = widths.get(name)
+        if width is not None and x.shape[-1] != width:
+            raise ValueError(
+                f"{OWNER}: {name} has {x.shape[-1]} features (shape {tuple(x.shape)}), but its projection "
+                f"was built for {fields[name]}={width}"
+            )
+
+
+def check_head_mask(head_mask: Any, num_heads: int, batch: tuple[int, ...]) -> None:
+    """ValueError naming the shapes unless `head_mask` is `[batch..., num_heads]` (batch dims
+    broadcasting to the inputs' `batch`)."""
+    if head_mask is None:
+        return
+    shape = tuple(jnp.shape(head_mask))
+    fits = len(shape) >= 1 and shape[-1] == num_heads and len(shape) - 1 <= len(batch)
+    if fits:
+        try:
+            fits = np.broadcast_shapes(shape[:-1], batch) == batch
+        except ValueError:
+            fits = False
+    if not fits:
+        raise ValueError(
+            f"{OWNER}: head_mask of shape {shape} must be [batch..., num_heads={num_heads}], one factor per "
+            f"head, its batch dims broadcasting to the inputs' {batch}"
+        )
+
+
+def multi_head_attention(
+    face: AttentionFace,
+    inputs_q: Array,
+    inputs_k: Array,
+    inputs_v: Array,
+    *,
+    mask: Any,
+    head_mask: Any,
+    segment_ids: Any,
+) -> Array:
+    """Multi-head attention of `inputs_q` `[batch..., T, D]` over `inputs_k` / `inputs_v` `[batch...,
+    S, D_kv]` (as `resolve_inputs` gives them), for either face: every check, then the projections,
+    RoPE, the hook points, the decode cache, the attention and W_O. Returns `[batch..., T, D_out]`."""
+    options, decode = face.options, face.decode
+    inputs = {"inputs_q": inputs_q, "inputs_k": inputs_k, "inputs_v": inputs_v}
+    for name, x in inputs.items():
+        _check_inputs(OWNER, name, x)
+    check_widths(face.widths, inputs)
+    check_segment_ids(OWNER, segment_ids, decode)
+    check_head_mask(head_mask, options.num_heads, inputs_q.shape[:-2])
+    layers = face.layers(inputs_q.shape[-1])
+    query, entries = project_inputs(layers, options.qk_norm_width, inputs_q, inputs_k, inputs_v)
+    axis = inputs_k.ndim - 2
+    cache = face.cache(entries, axis) if decode else None
+    start = None if cache is None else cache.cache_index
+    positions = input_positions(OWNER, query.shape[-3], inputs_k.shape[-2], start, segment_ids)
+    query, entries = hook_projections(layers, *rotate_inputs(OWNER, options, query, entries, *positions))
+    keys, fits = full_pass_keys(OWNER, options.local_window_size, face.is_causal, segment_ids), None
+    if cache is not None:
+        written, index, entries, keys, fits = cache_step(
+            OWNER, options.local_window_size, cache.cached, cache.cache_index, entries, axis
+        )
+        cache.store(written, index)
+    deterministic = options.dropout_rate == 0.0 or resolve_flag("deterministic", *face.deterministic)
+    return attend_entries(
+        options,
+        layers,
+        query,
+        entries,
+        mask=mask,
+        head_mask=head_mask,
+        keys=keys,
+        decoding=cache is not None,
+        fits=fits,
+        deterministic=deterministic,
+        dropout_rng=None if deterministic else face.dropout_rng(),
+        sow_module=face.sow_module,
+    )
 
 
 # ------------------------------------------------------------------------- the linen module
@@ -1531,9 +1305,14 @@ class MultiHeadAttention(Inspectable):
         `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside each kernel, which
         keeps its place) on the projections named in lora_targets (of
         `ATTENTION_LORA_TARGETS`), scaled by lora_alpha / lora_rank; 0 = none.
-      normalize_qk: flax's True (a LayerNorm), or "layernorm" (the same) or
-        "rms" (an RMSNorm: x / rms(x) * scale, eps 1e-6), over H; the
-        parameters are `query_ln`/`key_ln` `scale` `[H]` either way.
+      normalize_qk: flax's True (a LayerNorm), or "layernorm" (the same),
+        "rms" (an RMSNorm: x / rms(x) * scale) or "rms_offset" (Gemma's:
+        x / rms(x) * (1 + scale), scale zero at init, in float32); the
+        parameters are `query_ln`/`key_ln` `scale` either way.
+      qk_norm_width: "head" (each head's query and key over H, one gain
+        `[H]` shared by the heads: flax's, Qwen3's, Gemma 3's) or "full" (the
+        query over its N * H features, the key over K * H: OLMo 2's; gains
+        `[N * H]` and `[K * H]`). qk_norm_epsilon: the norms' epsilon (1e-6).
       local_window_size: jax.nn's (an int w = (w, w), or (left, right), both
         >= 0): query t sees key s only when t - left <= s <= t + right (in
         positions, so after a decode cache's index). With is_causal, (w - 1, 0)
@@ -1547,6 +1326,15 @@ class MultiHeadAttention(Inspectable):
       attn_logits_soft_cap: c, the logits become c * tanh(logits / c) (None: off).
       use_sinks: a learned sink logit per head (`sinks` `[N]`, zero at init)
         in every softmax's denominator: it takes weight and gives no value.
+      out_bias: whether W_O has a bias (None: `use_bias`, which then covers
+        the query, key and value projections only when out_bias is set).
+      rope_scaling: a `qkv_jax.positions.RopeScaling` ("linear", "llama3" or
+        "yarn") applied to the RoPE frequencies (None: unscaled).
+
+    Every option above except the initializers, `dot_general`s, `decode` and
+    `deterministic` is an `AttentionOptions` field of the same name and default;
+    `options()` gives this module's, and the core (`multi_head_attention`)
+    reads nothing else.
 
     qkv_jax's call keywords: `decode` (None: the field), `head_mask`
     `[batch..., N]`, a factor per head on its attention output before W_O (0
@@ -1621,65 +1409,92 @@ class MultiHeadAttention(Inspectable):
     rope_fraction: float = 1.0
     attn_logits_soft_cap: float | None = None
     use_sinks: bool = False
+    out_bias: bool | None = None
+    qk_norm_width: str = "head"
+    qk_norm_epsilon: float = 1e-6
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
-        check_attention_settings(type(self).__name__, self)
+        self.options()  # the checks, at construction
         super().__post_init__()
 
-    def _projection(self, features: Any, name: str, axis: Any = -1) -> nn.DenseGeneral:
+    def options(self) -> AttentionOptions:
+        """This module's `AttentionOptions` (its fields of that name), checked."""
+        return AttentionOptions.pick({name: getattr(self, name) for name in OPTION_NAMES})
+
+    def _projection(self, options: AttentionOptions, features: Any, name: str, axis: Any = -1):
         """The DenseGeneral projection `name`, with a LoRA adapter when `name` is a target."""
         is_out = name == "out"
-        options = dict(
+        settings = dict(
             axis=axis,
-            use_bias=self.use_bias,
+            use_bias=options.bias_of_out if is_out else options.use_bias,
             kernel_init=(self.out_kernel_init or self.kernel_init) if is_out else self.kernel_init,
             bias_init=(self.out_bias_init or self.bias_init) if is_out else self.bias_init,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            precision=self.precision,
+            dtype=options.dtype,
+            param_dtype=options.param_dtype,
+            precision=options.precision,
             dot_general=self.out_dot_general if is_out else self.qkv_dot_general,
             dot_general_cls=self.out_dot_general_cls if is_out else self.qkv_dot_general_cls,
             name=name,
         )
-        if self.lora_rank and name in self.lora_targets:
-            return LoRADenseGeneral(features, rank=self.lora_rank, alpha=self.lora_alpha, **options)
-        return nn.DenseGeneral(features, **options)
+        if options.lora_rank and name in options.lora_targets:
+            return LoRADenseGeneral(features, rank=options.lora_rank, alpha=options.lora_alpha, **settings)
+        return nn.DenseGeneral(features, **settings)
 
-    def _layers(self, features: int) -> AttentionLayers:
+    def _qk_norm(self, options: AttentionOptions, name: str) -> Callable[[Array], Array] | None:
+        """query_ln or key_ln (normalize_qk; None without): flax's LayerNorm (no bias) or RMSNorm
+        as flax builds them, or Gemma's offset RMSNorm (`qkv_jax.norms`)."""
+        kind = options.qk_norm
+        settings = dict(epsilon=options.qk_norm_epsilon, dtype=options.dtype, param_dtype=options.param_dtype)
+        if kind == "layernorm":
+            return nn.LayerNorm(use_bias=False, name=name, **settings)
+        if kind == "rms":
+            return nn.RMSNorm(name=name, **settings)
+        if kind == "rms_offset":
+            return Norm(kind=kind, name=name, **settings)
+        return None
+
+    def _layers(self, options: AttentionOptions, features: int) -> AttentionLayers:
         head_dim = resolve_head_dim(
-            type(self).__name__, self.num_heads, self.head_dim, self.qkv_features, features
+            OWNER, options.num_heads, options.head_dim, options.qkv_features, features
         )
-        num_kv_heads = self.num_kv_heads or self.num_heads
+        num_kv_heads = options.num_kv_heads or options.num_heads
         projections = {
-            "query": self._projection((self.num_heads, head_dim), "query"),
-            "key": self._projection((num_kv_heads, head_dim), "key"),
-            "value": self._projection((num_kv_heads, self.v_head_dim or head_dim), "value"),
-            "out": self._projection(self.out_features or features, "out", axis=(-2, -1)),
+            "query": self._projection(options, (options.num_heads, head_dim), "query"),
+            "key": self._projection(options, (num_kv_heads, head_dim), "key"),
+            "value": self._projection(options, (num_kv_heads, options.v_head_dim or head_dim), "value"),
+            "out": self._projection(options, options.out_features or features, "out", axis=(-2, -1)),
         }
-        kind = qk_norm_kind(type(self).__name__, self.normalize_qk)
-        norm = functools.partial(
-            nn.RMSNorm if kind == "rms" else functools.partial(nn.LayerNorm, use_bias=False),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-        )
-        latent = self.kv_latent_dim is not None
-        sinks = (self.num_heads,)  # (N,): one sink logit per query head
+        latent = options.kv_latent_dim is not None
+        sinks = (options.num_heads,)  # (N,): one sink logit per query head
         return AttentionLayers(
             **projections,
-            kv_latent=self._projection(self.kv_latent_dim, "kv_latent") if latent else None,
-            query_ln=norm(name="query_ln") if kind else None,
-            key_ln=norm(name="key_ln") if kind else None,
-            sinks=self.param("sinks", nn.initializers.zeros_init(), sinks, self.param_dtype)
-            if self.use_sinks
+            kv_latent=self._projection(options, options.kv_latent_dim, "kv_latent") if latent else None,
+            query_ln=self._qk_norm(options, "query_ln"),
+            key_ln=self._qk_norm(options, "key_ln"),
+            sinks=self.param("sinks", nn.initializers.zeros_init(), sinks, options.param_dtype)
+            if options.use_sinks
             else None,
             params=lambda name: projections[name].variables["params"],
             hook=functools.partial(_hook, self),
             request=self.interpretability_request(),
         )
 
-    def _cache(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Any], Any] | None:
-        """The decode cache's variables (cached entries, cache_index), or None on the first call
-        (inside `init`), which creates them: `cache_slots` positions of the entries' length."""
+    def _widths(self) -> dict[str, int | None]:
+        """The input widths the projections' kernels were built for (None inside `init`)."""
+        params = self.variables.get("params", {})
+
+        def width(name: str) -> int | None:
+            kernel = params.get(name, {}).get("kernel")
+            return None if kernel is None else int(kernel.shape[0])
+
+        key = "kv_latent" if self.kv_latent_dim is not None else "key"
+        value = "kv_latent" if self.kv_latent_dim is not None else "value"
+        return {"inputs_q": width("query"), "inputs_k": width(key), "inputs_v": width(value)}
+
+    def _cache(self, entries: Mapping[str, Array], axis: int) -> DecodeCache | None:
+        """The decode cache's variables, or None on the first call (inside `init`), which creates
+        them: `cache_slots` positions of the entries' length."""
         initialized = self.has_variable("cache", "cache_index")
 
         def shape(x: Array) -> tuple[int, ...]:
@@ -1692,34 +1507,15 @@ class MultiHeadAttention(Inspectable):
             for name, x in entries.items()
         }
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        return (cached, index) if initialized else None
+        if not initialized:
+            return None
 
-    def _append(
-        self, cache: tuple[dict[str, Any], Any], entries: dict[str, Array], axis: int
-    ) -> tuple[dict[str, Array], KeyVisibility, Array | None]:
-        """`cache_step` on the cache variables, which it updates: (the entries to attend over,
-        which of them each query sees, whether the positions fit)."""
-        cached, index = cache
-        written, index.value, attended, keys, fits = cache_step(
-            type(self).__name__,
-            self.local_window_size,
-            {name: c.value for name, c in cached.items()},
-            index.value,
-            entries,
-            axis,
-        )
-        for name, variable in cached.items():
-            variable.value = written[name]
-        return attended, keys, fits
+        def store(written: Mapping[str, Array], new_index: Array) -> None:
+            for name, variable in cached.items():
+                variable.value = written[name]
+            index.value = new_index
 
-    def _dropout_arguments(self, deterministic: bool | None, dropout_rng: Array | None):
-        """flax's rule: `deterministic` (merged with the field) is needed only with dropout."""
-        if self.dropout_rate == 0.0:
-            return True, dropout_rng
-        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-        if not deterministic and dropout_rng is None:
-            dropout_rng = self.make_rng("dropout")
-        return deterministic, dropout_rng
+        return DecodeCache({name: c.value for name, c in cached.items()}, index.value, store)
 
     @nn.compact
     def __call__(
@@ -1737,37 +1533,21 @@ class MultiHeadAttention(Inspectable):
         head_mask: Array | None = None,
         segment_ids: Array | None = None,
     ) -> Array:
-        owner = type(self).__name__
-        inputs_k, inputs_v = resolve_inputs(owner, inputs_q, inputs_k, inputs_v, inputs_kv)
-        _check_inputs(owner, "inputs_q", inputs_q)
-        _check_inputs(owner, "inputs_k", inputs_k)
-        decode = self.decode if decode is None else decode
-        check_segment_ids(owner, segment_ids, decode)
-        layers = self._layers(inputs_q.shape[-1])
-        query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
-        axis = inputs_k.ndim - 2
-        cache = self._cache(entries, axis) if decode else None
-        positions = input_positions(
-            owner, query.shape[-3], inputs_k.shape[-2], None if cache is None else cache[1].value, segment_ids
+        options = self.options()
+        inputs_k, inputs_v = resolve_inputs(OWNER, inputs_q, inputs_k, inputs_v, inputs_kv)
+        face = AttentionFace(
+            options,
+            layers=functools.partial(self._layers, options),
+            widths=self._widths(),
+            cache=self._cache,
+            decode=resolve_flag("decode", self.decode, decode),
+            is_causal=options.is_causal,
+            deterministic=(self.deterministic, deterministic, True),
+            dropout_rng=lambda: self.make_rng("dropout") if dropout_rng is None else dropout_rng,
+            sow_module=self if sow_weights or options.sow_weights else None,
         )
-        query, entries = hook_projections(layers, *rotate_inputs(owner, self, query, entries, *positions))
-        keys, fits = full_pass_keys(owner, self.local_window_size, self.is_causal, segment_ids), None
-        if cache is not None:
-            entries, keys, fits = self._append(cache, entries, axis)
-        deterministic, dropout_rng = self._dropout_arguments(deterministic, dropout_rng)
-        return attend_entries(
-            self,
-            layers,
-            query,
-            entries,
-            mask=mask,
-            head_mask=head_mask,
-            keys=keys,
-            decoding=cache is not None,
-            fits=fits,
-            deterministic=deterministic,
-            dropout_rng=dropout_rng,
-            sow_module=self if sow_weights or self.sow_weights else None,
+        return multi_head_attention(
+            face, inputs_q, inputs_k, inputs_v, mask=mask, head_mask=head_mask, segment_ids=segment_ids
         )
 
 

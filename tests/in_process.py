@@ -9,6 +9,7 @@ process (each launcher defines --workdir; two in one process would clash).
 import contextlib
 import dataclasses
 import io
+import os
 import sys
 import warnings
 
@@ -41,8 +42,15 @@ def reset_flags() -> None:
 
 
 def launch_train(*args: str) -> Launched:
-    """experiments.train with `args`: its exit code and what it printed to stdout and stderr."""
+    """experiments.train with `args`: its exit code and what it printed to stdout and stderr.
+
+    Unless `args` name one, --compilation_cache is the test session's cache (conftest's
+    `compilation_cache` fixture), as for the subprocess launches (`launch.launcher_env`): the
+    launcher's own default would point this process's JAX at the user's cache."""
     reset_flags()
+    cache = os.environ.get("QKV_JAX_TEST_COMPILATION_CACHE")
+    if cache is not None:
+        flags.FLAGS.set_default("compilation_cache", cache)
     stdout, stderr = io.StringIO(), io.StringIO()
     handler = absl_logging.get_absl_handler().python_handler
     stream = handler.stream

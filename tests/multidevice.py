@@ -7,12 +7,16 @@ The device count has to be set before JAX starts, hence a separate process.
 """
 
 import json
+import os
 import sys
 
 import jax
 
 spec = json.loads(sys.argv[1])
 jax.config.update("jax_num_cpu_devices", spec["devices"])
+if os.environ.get("QKV_JAX_COMPILATION_CACHE"):  # the test session's (tests/launch.py)
+    jax.config.update("jax_compilation_cache_dir", os.environ["QKV_JAX_COMPILATION_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 import importlib  # noqa: E402
 

@@ -95,7 +95,7 @@ def test_chosen_heads_patterns_on_every_path_leave_the_output(implementation):
 D, N = 16, 4
 VARIANTS = {
     "rope_window_rms": dict(positions="rope", rope_fraction=0.5, window=3, normalize_qk="rms"),
-    "cap_sinks_gqa": dict(attn_logits_soft_cap=1.5, sinks=True, num_kv_heads=2, normalize_qk="layernorm"),
+    "cap_sinks_gqa": dict(attn_logits_soft_cap=1.5, use_sinks=True, num_kv_heads=2, normalize_qk="layernorm"),
     "bidirectional_window": dict(causal=False, window=(3, None), positions="none"),
     "packed_rope": dict(positions="rope", num_kv_heads=1),
 }
@@ -169,7 +169,7 @@ def test_variant_hooks_equal_float64_attention_of_the_captured_qkv(variant):
 GENERATION = {
     "mha": CONFIGS["mha"],
     "ring": dataclasses.replace(CONFIGS["gqa"], positions="rope", window=3),
-    "mla_absorbed": dataclasses.replace(CONFIGS["mla_lora"], sinks=True),
+    "mla_absorbed": dataclasses.replace(CONFIGS["mla_lora"], use_sinks=True),
 }
 
 

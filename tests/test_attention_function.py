@@ -158,7 +158,7 @@ def test_causal_mask_semantics():
 def test_causal_alignment_change_warns_once_per_process(monkeypatch):
     """is_causal / causal_mask with T != S and no query_offset used to mean bottom-right: one
     FutureWarning per process (for both) says so and names the offset that restores it."""
-    monkeypatch.setattr(qkv_jax.attention, "_alignment_warned", False)
+    monkeypatch.setattr(qkv_jax.attention.visibility, "_alignment_warned", False)
     query, key, value = random_qkv(14, (), 2, 5, 1, 1, 4, 4, np.float32)
     with pytest.warns(FutureWarning, match=r"query_offset=S - T \(here 3\)") as record:
         top_left = dot_product_attention(query, key, value, is_causal=True)
@@ -168,7 +168,7 @@ def test_causal_alignment_change_warns_once_per_process(monkeypatch):
     np.testing.assert_allclose(
         top_left, dot_product_attention(query, key, value, mask=ref.causal(2, 5)), atol=1e-6
     )
-    monkeypatch.setattr(qkv_jax.attention, "_alignment_warned", False)
+    monkeypatch.setattr(qkv_jax.attention.visibility, "_alignment_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit offset, or T == S, changed nothing: no warning
         dot_product_attention(query, key, value, is_causal=True, query_offset=0)

@@ -19,8 +19,8 @@ from jax.test_util import check_grads
 
 import qkv_jax
 from qkv_jax import dot_product_attention
-from qkv_jax.attention import CHUNKED_MIN_KEYS, select_implementation
-from qkv_jax.chunked import chunked_attention
+from qkv_jax.attention import CHUNKED_MIN_KEYS, FEATURES, SUPPORTED, check_supported, select_implementation
+from qkv_jax.attention.chunked import chunked_attention
 
 PATHS = ["xla", "chunked"]
 F32_OUT_ATOL = 1e-5  # float32 against the float64 answer
@@ -408,6 +408,24 @@ def test_ineligible_requests_raise(override, message):
     with pytest.raises(ValueError) as info:
         dot_product_attention(**args)
     assert message in str(info.value)
+
+
+def test_check_supported_reads_the_table_and_names_owner_implementation_and_feature():
+    check_supported("Block", None, FEATURES)  # the dispatch rule picks a path that takes them
+    for implementation, supported in SUPPORTED.items():
+        check_supported("Block", implementation, supported)
+        for feature in set(FEATURES) - supported:
+            with pytest.raises(ValueError) as info:
+                check_supported("Block", implementation, {feature: f"{feature} on"})
+            message = str(info.value)
+            assert message.startswith(f"Block: implementation={implementation!r} ")
+            assert f"({feature} on): use 'reference'" in message and "\n" not in message
+    with pytest.raises(ValueError, match=r"^Block: attention_implementation='xla' has no sinks \(use_sinks"):
+        check_supported("Block", "xla", {"sinks": "use_sinks=True"}, argument="attention_implementation")
+    with pytest.raises(ValueError, match="^Block: attention_implementation must be None or one of"):
+        check_supported("Block", "flash", (), argument="attention_implementation")
+    with pytest.raises(ValueError, match="not arguments of dot_product_attention"):
+        check_supported("Block", "xla", ["sink"])
 
 
 def test_xla_refuses_float64():

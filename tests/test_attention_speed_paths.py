@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from qkv_jax import dot_product_attention
-from qkv_jax.chunked import (
+from qkv_jax.attention.chunked import (
     BACKWARD_KEY_BLOCK,
     KEY_BLOCK,
     MAX_BLOCK,

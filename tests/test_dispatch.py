@@ -22,7 +22,7 @@ import numpy_reference as ref
 import pytest
 
 from qkv_jax import dot_product_attention, select_implementation
-from qkv_jax.chunked import chunked_attention
+from qkv_jax.attention.chunked import chunked_attention
 
 F32_OUT_ATOL = 1e-5
 F32_GRAD_TOL = dict(atol=2e-5, rtol=1e-4)
@@ -341,6 +341,41 @@ def test_explicit_cudnn_with_windows_and_segments(gpu_route, case):
     )
     assert gpu_route.calls[-1]["window"] == window
     assert (gpu_route.calls[-1]["bias"] is not None) == (window is None)
+
+
+# name: (arguments, (is_causal, window) jax.nn gets for cuDNN). cuDNN applies a window's right
+# bound only through its causal mask: a window (left, 0) without one would attend future keys,
+# so it goes as is_causal=True with the window (the same keys). A window with a right bound > 0
+# and no causal mask, or at an offset, becomes the bias.
+CUDNN_WINDOWS = {
+    "(2, 0)": (dict(local_window_size=(2, 0)), (True, (2, 0))),
+    "(2, 0), causal": (dict(local_window_size=(2, 0), is_causal=True), (True, (2, 0))),
+    "(2, 0), key lengths": (
+        dict(local_window_size=(2, 0), key_value_seq_lengths=np.array([6, 3])),
+        (True, (2, 0)),
+    ),
+    "(2, 1)": (dict(local_window_size=(2, 1)), (False, None)),
+    "(2, 1), causal": (dict(local_window_size=(2, 1), is_causal=True), (True, (2, 1))),
+    "(3, -1), causal: the window a bias": (dict(local_window_size=(3, -1), is_causal=True), (True, None)),
+    "(2, 0), query_offset 2": (dict(local_window_size=(2, 0), query_offset=2), (False, None)),
+    "(2, 1), causal, query_offset 2": (
+        dict(local_window_size=(2, 1), is_causal=True, query_offset=2),
+        (False, None),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CUDNN_WINDOWS)
+def test_cudnn_gets_windows_only_with_their_causal_mask(gpu_route, case):
+    kwargs, (is_causal, window) = CUDNN_WINDOWS[case]
+    low, rounded = bf16_inputs((2,), 6, 6, 2, 1)
+    out = dot_product_attention(*low, implementation="cudnn", **kwargs)
+    assert gpu_route.calls, "cuDNN was not called"
+    for call in gpu_route.calls:  # the kernel's call, and those of the branch that fixes NaN
+        assert (call["is_causal"], call["window"]) == (is_causal, window)
+        assert (call["bias"] is not None) == (window is None)
+    want = dot_product_attention(*rounded, implementation="reference", **kwargs)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=BF16_TOL, rtol=BF16_TOL)
 
 
 def test_gpu_route_keeps_masked_nan_out_and_zeroes_empty_rows(gpu_route):

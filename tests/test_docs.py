@@ -5,11 +5,15 @@ moved to a temporary directory, and the port of the multi-process example
 replaced by a free one); a text block of `$ command` lines must print what it
 shows. The set-up commands are the exception: their `pip install` part is what
 CI and tools/fresh-clone-check run, and the test command is this suite itself.
+Every command's `python` is the interpreter running the tests (`sys.executable`),
+whatever `python` is first on PATH, if any.
 """
 
 import json
+import os
 import pathlib
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -68,6 +72,37 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def shell_env(tmp_path_factory):
+    """launcher_env() for the guides' shell commands, with `python` and `python3` first on PATH
+    meaning sys.executable (a wrapper script: a symlink to a venv's interpreter would lose the
+    venv)."""
+    directory = tmp_path_factory.mktemp("interpreter")
+    for name in ("python", "python3"):
+        wrapper = directory / name
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        wrapper.chmod(0o755)
+    env = launcher_env()
+    env["PATH"] = os.pathsep.join(filter(None, [str(directory), env.get("PATH")]))
+    return env
+
+
+def test_shell_commands_run_with_this_interpreter(shell_env):
+    result = subprocess.run(
+        [
+            "bash",
+            "-c",
+            "python -c 'import sys; print(sys.executable)'; python3 -c 'import sys; print(sys.prefix)'",
+        ],
+        env=shell_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [sys.executable, sys.prefix]
+
+
 @pytest.mark.parametrize("doc,index", PYTHON_BLOCKS)
 @pytest.mark.slow
 def test_python_blocks(doc, index):
@@ -80,8 +115,7 @@ def test_python_blocks(doc, index):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if blocks("bash", doc)])
-def test_bash_blocks_in_order(doc, tmp_path):
-    env = launcher_env()
+def test_bash_blocks_in_order(doc, tmp_path, shell_env):
     port = str(free_port())
     ran = 0
     for body in blocks("bash", doc):
@@ -98,7 +132,7 @@ def test_bash_blocks_in_order(doc, tmp_path):
             result = subprocess.run(
                 ["bash", "-c", "set -e\n" + "\n".join(script) + "\nwait"],
                 cwd=ROOT,
-                env=env,
+                env=shell_env,
                 capture_output=True,
                 text=True,
                 timeout=900,
@@ -108,8 +142,7 @@ def test_bash_blocks_in_order(doc, tmp_path):
     assert ran >= 1
 
 
-def test_text_blocks_show_what_commands_print(tmp_path):
-    env = launcher_env()
+def test_text_blocks_show_what_commands_print(tmp_path, shell_env):
     checked = 0
     for body in blocks("text"):
         if not body.startswith("$ "):
@@ -119,7 +152,7 @@ def test_text_blocks_show_what_commands_print(tmp_path):
             result = subprocess.run(
                 ["bash", "-c", command.replace("runs/", f"{tmp_path}/runs/")],
                 cwd=ROOT,
-                env=env,
+                env=shell_env,
                 capture_output=True,
                 text=True,
                 timeout=600,

@@ -44,7 +44,7 @@ from qkv_jax.report.explorer import (
     write_run_page,
     write_sweep_page,
 )
-from qkv_jax.studies.grid import cell_name
+from studies.grid import cell_name
 
 
 def causal_attention(rng, num_layers, num_heads, num_queries, num_keys, sharpness=2.0):

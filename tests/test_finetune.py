@@ -20,14 +20,14 @@ from configs import char_lm as char_lm_config
 from qkv_jax import lm
 from qkv_jax.finetune import ParamMismatchError, convert_kv_heads, fit_params
 from qkv_jax.lora import merge_lora
-from qkv_jax.studies import finetuning
-from qkv_jax.studies.catalogue import STUDIES
-from qkv_jax.studies.results import write_study_results
 from qkv_jax.tasks.char_lm import read_run
 from qkv_jax.training import ConfigError, build_setup, read_params, train_and_evaluate
 from qkv_jax.training.checkpoints import Checkpoints, CheckpointWarning, RunLocation, Saved
 from qkv_jax.training.init_from import fitted_params, read_source
 from qkv_jax.training.loop import seed_keys
+from studies import finetuning
+from studies.catalogue import STUDIES
+from studies.results import write_study_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB, LAYERS, D, N, MAX_LEN = 11, 2, 16, 4, 12

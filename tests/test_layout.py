@@ -4,8 +4,10 @@ package imports only the ones below it.
     core (attention, modules, lm, nnx, ...)  <  training  <  tasks  <  report  <  studies
     core  <  interpretability  <  report, studies
 
-A deferred import (inside a function) is walked like any other, so one that only dodges a
-cycle fails here as the cycle itself would.
+`qkv_jax` is the installed library; `studies` (the sweeps and studies) sits beside the
+launchers in the checkout, on top of the library, which never imports it (nor anything else
+of the checkout: an installed wheel has none of it). A deferred import (inside a function) is
+walked like any other, so one that only dodges a cycle fails here as the cycle itself would.
 """
 
 import ast
@@ -14,7 +16,10 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "qkv_jax"
+# The packages walked: the library and the studies on top of it.
+PACKAGES = ("qkv_jax", "studies")
+# What a checkout holds beside the library; the wheel carries none of it.
+CHECKOUT = {"studies", "experiments", "configs", "benchmarks", "docs", "tests"}
 # Each package and the packages it may import (besides itself and the core library).
 LAYERS = {
     "core": set(),
@@ -32,24 +37,29 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def modules() -> dict[str, pathlib.Path]:
-    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+def imported_names(path: pathlib.Path) -> list[str]:
+    """Every name `path` imports, anywhere in the file (functions included): `from a.b import c`
+    gives a.b and a.b.c."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
 
 
 def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
-    """The qkv_jax modules `path` imports, anywhere in the file (functions included)."""
+    """The modules of the walked packages that `path` imports."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        for name in names:
-            while name and name not in known:  # `from qkv_jax.x import f`: the module is qkv_jax.x
-                name = name.rpartition(".")[0]
-            if name.startswith("qkv_jax"):
-                found.add(name)
+    for name in imported_names(path):
+        while name and name not in known:  # `from qkv_jax.x import f`: the module is qkv_jax.x
+            name = name.rpartition(".")[0]
+        if name.split(".")[0] in PACKAGES:
+            found.add(name)
     return found
 
 
@@ -60,6 +70,8 @@ def graph() -> dict[str, set[str]]:
 
 def layer(name: str) -> str:
     parts = name.split(".")
+    if parts[0] == "studies":
+        return "studies"
     return parts[1] if len(parts) >= 2 and parts[1] in LAYERS else "core"
 
 
@@ -71,7 +83,7 @@ def test_no_import_cycles():
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
         for target in sorted(edges.get(node, ())):
-            if target == "qkv_jax" or target not in edges:
+            if target in PACKAGES or target not in edges:
                 continue
             if state.get(target) == 1:
                 cycles.append(path[path.index(target) :] + [target] if target in path else [node, target])
@@ -92,7 +104,7 @@ def test_each_package_imports_only_the_ones_below_it(package):
         if layer(name) != package:
             continue
         for target in targets:
-            if target != "qkv_jax" and layer(target) not in {package, "core"} | LAYERS[package]:
+            if target not in PACKAGES and layer(target) not in {package, "core"} | LAYERS[package]:
                 wrong.append(f"{name} imports {target}")
     if package == "core":  # the library never reaches up into the trainer or the tools around it
         wrong += [
@@ -108,3 +120,22 @@ def test_each_package_imports_only_the_ones_below_it(package):
 def test_the_walk_sees_imports_inside_functions():
     """report_run imports matplotlib's plots on use, inside the function: the graph has it."""
     assert "qkv_jax.plots" in graph()["qkv_jax.report.run"]
+
+
+def test_the_library_imports_nothing_of_the_checkout():
+    """An installed qkv_jax has no studies, launchers, configs, benchmarks, docs or tests beside
+    it: the library imports none of them (the studies import the library, not the other way)."""
+    wrong = [
+        f"{module_name(path)} imports {name}"
+        for path in (ROOT / "qkv_jax").rglob("*.py")
+        for name in imported_names(path)
+        if name.split(".")[0] in CHECKOUT
+    ]
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_walk_sees_the_studies_on_top_of_the_library():
+    """The studies' own imports and their imports of the trainer are edges of the graph."""
+    edges = graph()
+    assert {"studies.grid", "studies.results", "qkv_jax.training.run"} <= edges["studies.sweep"]
+    assert layer("studies.sweep") == "studies" and layer("qkv_jax.training.run") == "training"

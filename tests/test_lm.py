@@ -213,7 +213,7 @@ def test_decoding_the_lm_past_max_len_raises():
         (dict(num_heads=3), "num_heads=3 must divide d_model=16"),
         (dict(num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
         (dict(max_len=0), "max_len=0 must be a positive int"),
-        (dict(dropout_rate=1.0), "dropout_rate=1.0 must be in [0, 1)"),
+        (dict(residual_dropout_rate=1.0), "residual_dropout_rate=1.0 must be in [0, 1)"),
     ],
 )
 def test_bad_model_arguments(overrides, message):

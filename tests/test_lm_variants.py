@@ -52,7 +52,7 @@ FACTORS = {
     "window": (None, (3, None), 4),  # global, local (3) then global, every layer local (4)
     "normalize_qk": (False, "layernorm", "rms"),
     "attn_logits_soft_cap": (None, 5.0),
-    "sinks": (False, True),
+    "use_sinks": (False, True),
     "layout": ("mha", "gqa", "mqa", "mla"),
 }
 LAYOUTS = {"mha": {}, "gqa": {"num_kv_heads": 2}, "mqa": {"num_kv_heads": 1}, "mla": {"kv_latent_dim": 8}}
@@ -390,7 +390,7 @@ def test_a_packed_row_equals_its_documents_run_alone(positions):
     """Documents of 5, 4 and 3 tokens packed in one row of 12: each one's logits are those of the
     document alone (no attention across segments, positions restarting at 0), in linen and nnx.
     Alone, each document starts a row of its own (a causal model's later tokens cannot reach it)."""
-    packed = model(positions=positions, window=(3, None), sinks=True, num_kv_heads=2)
+    packed = model(positions=positions, window=(3, None), use_sinks=True, num_kv_heads=2)
     ids = jnp.array([[0] * 5 + [1] * 4 + [2] * 3, [4] * 12])
     bounds = ((0, 5), (5, 9), (9, 12))
     alone = jnp.stack([jnp.roll(TOKENS[0], -start) for start, _ in bounds])  # (3, 12)
@@ -469,14 +469,17 @@ def test_attention_scale_multiplies_the_logits_in_the_full_pass_the_cache_and_nn
         (dict(window=0), "window=0 must be None, an int >= 1"),
         (dict(window=(3, "full")), r"window=\(3, 'full'\) must be None"),
         (dict(window=()), r"window=\(\) must be None"),
-        (dict(normalize_qk="l2"), "normalize_qk='l2' must be False, True, 'layernorm' or 'rms'"),
+        (
+            dict(normalize_qk="l2"),
+            "normalize_qk='l2' must be False, True, 'layernorm', 'rms' or 'rms_offset'",
+        ),
         (dict(normalize_qk="rms", kv_latent_dim=8), "normalize_qk='rms' with kv_latent_dim=8 needs"),
         (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap=-1.0 must be a finite number > 0"),
-        (dict(sinks=1), "sinks=1 must be True or False"),
+        (dict(use_sinks=1), "use_sinks=1 must be True or False"),
         (dict(attention_scale=0.0), "attention_scale=0.0 must be a finite number > 0"),
         (dict(attention_scale=True), "attention_scale=True must be a finite number > 0"),
         (
-            dict(sinks=True, attention_implementation="xla"),
+            dict(use_sinks=True, attention_implementation="xla"),
             "attention_implementation='xla' .jax.nn's. has no",
         ),
     ],
@@ -523,16 +526,16 @@ def test_segment_ids_are_refused_when_decoding():
 
 def test_the_model_section_spells_every_variant():
     section = common.transformer(num_layers=3, d_model=D, num_heads=N, max_len=MAX_LEN).to_dict()
-    section.update(positions="rope", rope_fraction=0.5, window="5, full", normalize_qk="rms", sinks=True)
+    section.update(positions="rope", rope_fraction=0.5, window="5, full", normalize_qk="rms", use_sinks=True)
     section.update(attn_logits_soft_cap=30.0, attention_scale=1.0)
     config = transformer_config(section, VOCAB)
     assert config.attention_scale == 1.0 and lm.attention_options(config)["scale"] == 1.0
     assert (config.positions, config.rope_base, config.rope_fraction) == ("rope", 10000.0, 0.5)
     assert config.window == (5, None) and lm.layer_windows(config) == (5, None, 5)
-    assert (config.normalize_qk, config.attn_logits_soft_cap, config.sinks) == ("rms", 30.0, True)
+    assert (config.normalize_qk, config.attn_logits_soft_cap, config.use_sinks) == ("rms", 30.0, True)
     assert lm.attention_options(config, 2)["local_window_size"] == (4, 0)
     defaults = transformer_config(common.transformer(num_layers=2, d_model=D, num_heads=N, max_len=8), VOCAB)
-    assert (defaults.positions, defaults.window, defaults.normalize_qk, defaults.sinks) == (
+    assert (defaults.positions, defaults.window, defaults.normalize_qk, defaults.use_sinks) == (
         "learned",
         None,
         False,
@@ -564,7 +567,7 @@ def test_the_model_section_refuses_in_one_line_naming_the_field(field, value, me
 
 
 def test_diagnostics_show_a_windows_reach_and_the_sinks_share():
-    windowed = model(window=(3, None), sinks=True)
+    windowed = model(window=(3, None), use_sinks=True)
     local, full = (
         head_diagnostics(w, sinks=True) for w in layer_attention(windowed, random_params(windowed), TOKENS)
     )

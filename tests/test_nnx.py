@@ -178,7 +178,11 @@ def test_flax_nnx_options_and_views():
             ValueError,
             "num_heads=3 does not divide the input width 8",
         ),
-        (lambda: MultiHeadAttention(2, 8, rngs=nnx.Rngs(0))(X), ValueError, "pass decode to the constructor"),
+        (
+            lambda: MultiHeadAttention(2, 8, rngs=nnx.Rngs(0))(X),
+            ValueError,
+            '"decode" must be passed to the constructor or at call time',
+        ),
         (
             lambda: MultiHeadAttention(2, 8, decode=True, rngs=nnx.Rngs(0))(X),
             ValueError,

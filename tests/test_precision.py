@@ -18,7 +18,7 @@ from jax import lax
 
 import qkv_jax
 from qkv_jax import dot_product_attention
-from qkv_jax.chunked import chunked_attention
+from qkv_jax.attention.chunked import chunked_attention
 
 DOT = re.compile(r"stablehlo\.dot_general .*?precision = \[(\w+), (\w+)\]")
 

@@ -22,11 +22,11 @@ from launch import ROOT, launcher_env
 from configs import char_lm as char_lm_config
 from configs import flag_retrieval
 from qkv_jax.report.run import report_run
-from qkv_jax.studies.results import report_sweep
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.flag_retrieval import attention_weights, flag_retrieval_batch
 from qkv_jax.training import build_setup, read_params, train_and_evaluate
 from qkv_jax.training.loop import seed_keys
+from studies.results import report_sweep
+from studies.sweep import run_sweep
 
 # Every test here trains or reports a real run: the full suite's, not the fast tier's.
 pytestmark = pytest.mark.slow

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,12 +14,18 @@ from launch import cache_flag, launcher_env
 from saved_state import final_state
 
 from configs import flag_retrieval
-from qkv_jax.training import ConfigError, build_setup, init_train_state, make_optimizer, seed_keys
+from qkv_jax.training import (
+    ConfigError,
+    build_setup,
+    init_train_state,
+    make_optimizer,
+    seed_keys,
+    train_and_evaluate,
+)
 from qkv_jax.training.sharding import make_mesh, mesh_shape, partition_spec, state_shardings
 from qkv_jax.training.workdir import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = launcher_env()
 OVERRIDES = {
     "model.num_heads": 4,
     "train.steps": 20,
@@ -47,7 +54,7 @@ def run_on_devices(devices, runs):
             json.dumps({"devices": devices, "runs": runs}),
         ],
         cwd=ROOT,
-        env=ENV,
+        env=launcher_env(),  # at the call: the session's compilation cache is set up by then
         capture_output=True,
         text=True,
         timeout=600,
@@ -76,7 +83,8 @@ def assert_same_run(workdir_a, workdir_b, config, atol=1e-5):
 
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory):
-    """The flag task on 8 simulated devices with each mesh, in one subprocess."""
+    """The flag task on 8 simulated devices with each mesh, and the first 10 steps of the 4 x 2
+    mesh's run (`stopped`, for the resume test), in one subprocess."""
     root = tmp_path_factory.mktemp("meshes")
     runs = [
         {
@@ -86,6 +94,13 @@ def mesh_runs(tmp_path_factory):
         }
         for d, m in MESHES
     ]
+    runs.append(
+        {
+            "workdir": str(root / "stopped"),
+            "config": "flag_retrieval:multihead",
+            "overrides": {**OVERRIDES, "train.steps": 10, "mesh.data": 4, "mesh.model": 2},
+        }
+    )
     run_on_devices(8, runs)
     return root
 
@@ -156,27 +171,11 @@ def test_lm_meshes_match_one_device(lm_mesh_runs):
     "orbax restores onto the new layout; the run ends as an uninterrupted one-device run (1e-5)",
 )
 def test_resume_from_eight_devices_onto_one(tmp_path, mesh_runs):
-    workdir = tmp_path / "moved"
-    run_on_devices(
-        8,
-        [
-            {
-                "workdir": str(workdir),
-                "config": "flag_retrieval:multihead",
-                "overrides": {**OVERRIDES, "train.steps": 10, "mesh.data": 4, "mesh.model": 2},
-            }
-        ],
-    )
-    run_on_devices(
-        1,
-        [
-            {
-                "workdir": str(workdir),
-                "config": "flag_retrieval:multihead",
-                "overrides": {**OVERRIDES, "mesh.data": 1, "mesh.model": 1},
-            }
-        ],
-    )
+    # Saved by the 8-device process of `mesh_runs`; resumed here, in this one-device process.
+    assert jax.device_count() == 1
+    workdir = shutil.copytree(mesh_runs / "stopped", tmp_path / "moved")
+    assert json.loads((workdir / "summary.json").read_text())["mesh"] == {"data": 4, "model": 2}
+    train_and_evaluate(config_with(**{"mesh.data": 1, "mesh.model": 1}), workdir)
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == 10 and summary["mesh"] == {"data": 1, "model": 1}
     assert_same_run(mesh_runs / "1x1", workdir, config_with())
@@ -214,7 +213,7 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
                 *args,
             ],
             cwd=ROOT,
-            env=ENV,
+            env=launcher_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

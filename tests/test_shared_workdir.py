@@ -19,10 +19,10 @@ from saved_state import final_state
 
 from configs import flag_retrieval
 from qkv_jax.report.run import report_run
-from qkv_jax.studies.results import write_sweep_results
 from qkv_jax.training import Checkpoints, CheckpointWarning, read_params, train_and_evaluate
 from qkv_jax.training.checkpoints import NoCheckpointError
 from qkv_jax.training.workdir import WorkdirBusyError, WorkdirLock, differences, read_metrics
+from studies.results import write_sweep_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The small run every test here starts from, as command-line overrides and as a config.
@@ -447,3 +447,22 @@ def test_a_run_saved_before_an_optional_field_existed_still_matches():
     assert differences({"model": {"d_k": 8, "attention_scale": None}}, saved) == [
         "model.attention_scale='<absent>' here but None in the workdir"
     ]
+
+
+def test_a_run_saved_before_a_field_was_renamed_still_matches():
+    """A workdir written before `model.sinks` became `model.use_sinks` (and `model.dropout_rate`
+    `model.residual_dropout_rate`) resumes: its value counts under the new name, and the old
+    name, unset here, matches its absence. A changed value still differs."""
+    saved = {"model": {"d_k": 8, "sinks": True, "dropout_rate": 0.1}}
+    current = {
+        "model": {
+            "d_k": 8,
+            "use_sinks": True,
+            "sinks": None,
+            "residual_dropout_rate": 0.1,
+            "dropout_rate": None,
+        }
+    }
+    assert differences(saved, current) == []
+    current["model"]["use_sinks"] = False
+    assert differences(saved, current) == ["model.use_sinks=False here but True in the workdir"]

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from configs import char_lm
-from qkv_jax.studies.catalogue import STUDIES
-from qkv_jax.studies.results import write_study_results
-from qkv_jax.studies.sinks import FIRST_QUERY, head_measures, sinks
 from qkv_jax.training.setup import to_dict
+from studies.catalogue import STUDIES
+from studies.results import write_study_results
+from studies.sinks import FIRST_QUERY, head_measures, sinks
 
 
 def test_head_measures_are_first_token_share_entropy_and_sink_mass_of_the_later_queries():

@@ -6,11 +6,11 @@ import pytest
 from scipy import stats
 
 from configs import flag_retrieval, sequences
-from qkv_jax.studies.mechanisms import induction_probe, thermostat_probe
-from qkv_jax.studies.stats import mean_interval, paired_difference
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import repeat_batch
 from qkv_jax.training import build_setup, train_seeds
+from studies.mechanisms import induction_probe, thermostat_probe
+from studies.stats import mean_interval, paired_difference
+from studies.sweep import run_sweep
 
 
 def test_intervals_against_scipy():

@@ -15,10 +15,10 @@ from launch import cache_flag, launcher_env
 from saved_state import final_state
 
 from configs import flag_retrieval
-from qkv_jax.studies.grid import apply_overrides, grid, parse_sweep_arg
-from qkv_jax.studies.sweep import CellsFailed, run_sweep
 from qkv_jax.training import train_and_evaluate, train_seeds
 from qkv_jax.training.validate import ConfigError
+from studies.grid import apply_overrides, grid, parse_sweep_arg
+from studies.sweep import CellsFailed, run_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

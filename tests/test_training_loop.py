@@ -72,9 +72,8 @@ def test_training_reduces_the_loss(small_run):
     "a run stopped and resumed (also with more steps)",
     "ends with bit-identical parameters and the same metrics.jsonl as an uninterrupted run",
 )
-def test_resume_gives_identical_parameters(tmp_path):
-    straight = tmp_path / "straight"
-    train_and_evaluate(small_config(), straight)
+def test_resume_gives_identical_parameters(tmp_path, small_run):
+    straight, _ = small_run  # the uninterrupted run: small_config() trained straight to step 20
     resumed = tmp_path / "resumed"
     first = train_and_evaluate(small_config(train__steps=10), resumed)
     assert first["steps"] == 10
@@ -102,26 +101,28 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     assert Checkpoints(tmp_path / "checkpoints").all_steps() == []  # nothing non-finite saved
 
 
-def test_train_chunk_compiles_once():
+@pytest.fixture(scope="module")
+def chunk_of_five():
+    """(setup, initial state, data key, a jitted 5-step chunk that fails if it is traced twice):
+    the tests below share its compilation."""
     config = small_config().to_dict()
     setup = build_setup(config)
     state = init_train_state(setup, make_optimizer(config["train"]), seed_keys(0)["init"])
     chunk = jax.jit(chex.assert_max_traces(make_train_chunk(setup, 5), n=1))
-    data_key = seed_keys(0)["data"]
+    return setup, state, seed_keys(0)["data"], chunk
+
+
+def test_train_chunk_compiles_once(chunk_of_five):
+    setup, state, data_key, chunk = chunk_of_five
     state, losses = chunk(state, data_key, setup.data)
     state, losses = chunk(state, data_key, setup.data)
     assert losses.shape == (5,) and int(state.step) == 10
 
 
-def test_batches_depend_only_on_seed_and_step():
+def test_batches_depend_only_on_seed_and_step(chunk_of_five):
     """Step s's batch is a function of fold_in(data_key, s): chunks replay exactly."""
-    config = small_config().to_dict()
-    setup = build_setup(config)
-    tx = make_optimizer(config["train"])
-    state = init_train_state(setup, tx, seed_keys(0)["init"])
-    data_key = seed_keys(0)["data"]
+    setup, state, data_key, five = chunk_of_five
     ten = jax.jit(make_train_chunk(setup, 10))
-    five = jax.jit(make_train_chunk(setup, 5))
     one_go, losses_10 = ten(state, data_key, setup.data)
     half, losses_a = five(state, data_key, setup.data)
     two_halves, losses_b = five(half, data_key, setup.data)

@@ -9,11 +9,14 @@ import pytest
 
 from configs import char_lm, flag_retrieval, sequences
 from qkv_jax import lm
-from qkv_jax.studies.catalogue import STUDIES
-from qkv_jax.studies.grid import apply_overrides
-from qkv_jax.studies.lm_positions import positions_lm
-from qkv_jax.studies.results import write_study_results
-from qkv_jax.studies.variants import (
+from qkv_jax.tasks.transformer import transformer_config
+from qkv_jax.training import ConfigError, build_setup
+from qkv_jax.training.setup import to_dict
+from studies.catalogue import STUDIES
+from studies.grid import apply_overrides
+from studies.lm_positions import positions_lm
+from studies.results import write_study_results
+from studies.variants import (
     LM_CELLS,
     POSITION_CELLS,
     REFERENCE,
@@ -24,9 +27,6 @@ from qkv_jax.studies.variants import (
     logit_scale_probe,
     positions,
 )
-from qkv_jax.tasks.transformer import transformer_config
-from qkv_jax.training import ConfigError, build_setup
-from qkv_jax.training.setup import to_dict
 
 
 @pytest.mark.parametrize("variant", ["learned_query", "static", "thermostat"])

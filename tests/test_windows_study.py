@@ -4,10 +4,10 @@ import pytest
 
 from configs import char_lm
 from qkv_jax.lm import kv_cache_bytes, layer_windows
-from qkv_jax.studies.catalogue import STUDIES
-from qkv_jax.studies.results import write_study_results
-from qkv_jax.studies.windows import WINDOW_CELLS, _model, windows
 from qkv_jax.training.setup import to_dict
+from studies.catalogue import STUDIES
+from studies.results import write_study_results
+from studies.windows import WINDOW_CELLS, _model, windows
 
 
 def test_each_arms_cache_holds_its_windows_positions_per_layer():

@@ -9,21 +9,24 @@
 Where the names come from. A model passes each named activation through a
 `HookPoint` (`qkv_jax.modules`, and its nnx twin in `qkv_jax.nnx`), a
 parameter-free identity whose module path is the name: block_l -> blocks.l,
-attention -> attn, attention_norm -> ln1, mlp_norm -> ln2, final_norm ->
-ln_final, mlp_hook_pre/post -> mlp.hook_pre/post (linen and nnx paths are
-the same: the nnx attributes carry the linen names). A module run on its own
+attention -> attn, attention_norm -> ln1, mlp_norm -> ln2,
+attention_post_norm -> ln1_post, mlp_post_norm -> ln2_post, final_norm ->
+ln_final, mlp_hook_pre/pre_linear/post -> mlp.hook_pre/pre_linear/post
+(linen and nnx paths are the same: the nnx attributes carry the linen names). A module run on its own
 has the same names without the prefix: a `MultiHeadAttention` has `hook_q`,
 ..., a `TransformerBlock` `attn.hook_q`, `hook_resid_pre`, ..., a
 `FlagReader` `attn.hook_q`, .... Placement:
   TransformerLM: hook_embed after the token embedding; hook_pos_embed (learned
     positions only) broadcast to `[..., T, D]` before the sum.
   TransformerBlock: hook_resid_pre on entry, hook_attn_out on the attention's
-    output, hook_resid_mid, mlp.hook_pre (before the GELU), mlp.hook_post,
-    hook_mlp_out, hook_resid_post.
-  LayerNorm (`modules.LayerNorm`: nn.LayerNorm's parameters, so checkpoints
-    load unchanged): hook_scale = sqrt(var + eps) `[..., T, 1]` and
-    hook_normalized `[..., T, D]` before the affine map; patching hook_scale
-    freezes the norm (TransformerLens's trick).
+    output (after its post norm, if any), hook_resid_mid, mlp.hook_pre (before
+    the activation; a gated MLP's gate), mlp.hook_pre_linear (gated MLPs),
+    mlp.hook_post, hook_mlp_out, hook_resid_post.
+  Norms (`qkv_jax.norms`; "layernorm" has nn.LayerNorm's parameters, so
+    checkpoints load unchanged): hook_scale = sqrt(var + eps) (RMS kinds:
+    sqrt(mean(x^2) + eps)) `[..., T, 1]` and hook_normalized `[..., T, D]`
+    before the gain; patching hook_scale freezes the norm (TransformerLens's
+    trick).
   MultiHeadAttention: hook_q (after query_ln and RoPE), hook_k, hook_v (the
     new positions, after key_ln and RoPE, before the decode cache) or MLA's
     hook_kv_latent, hook_z (each head's output after head_mask, the input of
@@ -56,8 +59,10 @@ HOOK_SHAPES: dict[str, str] = {
     "hook_embed": "[..., T, D] token embedding",
     "hook_pos_embed": "[..., T, D] position embedding",
     "blocks.{l}.hook_resid_pre": "[..., T, D] residual stream entering block l",
-    "blocks.{l}.ln1.hook_scale": "[..., T, 1] sqrt(variance + eps) of the attention LayerNorm",
-    "blocks.{l}.ln1.hook_normalized": "[..., T, D] (x - mean) / scale, before the LayerNorm's affine map",
+    "blocks.{l}.ln1.hook_scale": "[..., T, 1] sqrt(variance + eps) of the attention norm (RMS kinds:"
+    " sqrt(mean(x^2) + eps))",
+    "blocks.{l}.ln1.hook_normalized": "[..., T, D] (x - mean) / scale (RMS kinds: x / scale), before the"
+    " norm's gain",
     "blocks.{l}.attn.hook_q": "[..., T, N, H] queries",
     "blocks.{l}.attn.hook_k": "[..., S, K, H] keys (K kv heads)",
     "blocks.{l}.attn.hook_v": "[..., S, K, Hv] values",
@@ -67,31 +72,52 @@ HOOK_SHAPES: dict[str, str] = {
     "blocks.{l}.attn.hook_pattern": "[..., n, T, S] attention weights (the n requested heads)",
     "blocks.{l}.attn.hook_z": "[..., T, N, Hv] each head's output, before W_O",
     "blocks.{l}.attn.hook_result": "[..., T, N, D] each head's output after W_O (no b_O)",
+    "blocks.{l}.ln1_post.hook_scale": "[..., T, 1] of the norm after the attention (norm_placement"
+    " post or sandwich)",
+    "blocks.{l}.ln1_post.hook_normalized": "[..., T, D] the attention output normalized",
     "blocks.{l}.hook_attn_out": "[..., T, D] attention output (sum of hook_result plus b_O)",
     "blocks.{l}.hook_resid_mid": "[..., T, D] residual stream after the attention",
-    "blocks.{l}.ln2.hook_scale": "[..., T, 1] sqrt(variance + eps) of the MLP LayerNorm",
+    "blocks.{l}.ln2.hook_scale": "[..., T, 1] sqrt(variance + eps) of the MLP norm",
     "blocks.{l}.ln2.hook_normalized": "[..., T, D] (x - mean) / scale",
-    "blocks.{l}.mlp.hook_pre": "[..., T, M] MLP hidden units before the GELU",
-    "blocks.{l}.mlp.hook_post": "[..., T, M] after the GELU",
+    "blocks.{l}.mlp.hook_pre": "[..., T, M] MLP hidden units before the activation (gated: the gate's)",
+    "blocks.{l}.mlp.hook_pre_linear": "[..., T, M] gated MLPs: mlp_in's output, which the activated"
+    " gate multiplies",
+    "blocks.{l}.mlp.hook_post": "[..., T, M] after the activation (gated: times hook_pre_linear)",
+    "blocks.{l}.ln2_post.hook_scale": "[..., T, 1] of the norm after the MLP (norm_placement post or"
+    " sandwich)",
+    "blocks.{l}.ln2_post.hook_normalized": "[..., T, D] the MLP output normalized",
     "blocks.{l}.hook_mlp_out": "[..., T, D] MLP output",
     "blocks.{l}.hook_resid_post": "[..., T, D] residual stream leaving block l",
-    "ln_final.hook_scale": "[..., T, 1] sqrt(variance + eps) of the final LayerNorm",
+    "ln_final.hook_scale": "[..., T, 1] sqrt(variance + eps) of the final norm",
     "ln_final.hook_normalized": "[..., T, D] (x - mean) / scale",
 }
 
-# Names only a model with an MLA latent has.
+# Names only a model with an MLA latent has, only a gated MLP, and the pre and post norms' names.
 _LATENT_ONLY = ("blocks.{l}.attn.hook_kv_latent",)
+_GATED_ONLY = ("blocks.{l}.mlp.hook_pre_linear",)
+_PRE_NORMS = tuple(t for t in HOOK_SHAPES if t.startswith(("blocks.{l}.ln1.", "blocks.{l}.ln2.")))
+_POST_NORMS = tuple(t for t in HOOK_SHAPES if t.startswith(("blocks.{l}.ln1_post.", "blocks.{l}.ln2_post.")))
 
 
-def hook_names(num_layers: int, *, latent: bool = False) -> tuple[str, ...]:
+def hook_names(
+    num_layers: int, *, latent: bool = False, gated: bool = False, norm_placement: str = "pre"
+) -> tuple[str, ...]:
     """Every hook name of a TransformerLM with `num_layers` blocks, in forward order.
 
     `latent`: the model has an MLA latent (`kv_latent_dim`), whose blocks also
-    have `attn.hook_kv_latent`.
+    have `attn.hook_kv_latent`; `gated`: a gated MLP (`gated_mlp`), with
+    `mlp.hook_pre_linear`; `norm_placement`: the config's ("pre": ln1 and
+    ln2; "post": ln1_post and ln2_post; "sandwich": all four).
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"hook_names: num_layers must be a positive int, got {num_layers!r}")
-    templates = [t for t in HOOK_SHAPES if latent or t not in _LATENT_ONLY]
+    left_out = {
+        *(() if latent else _LATENT_ONLY),
+        *(() if gated else _GATED_ONLY),
+        *(_PRE_NORMS if norm_placement == "post" else ()),
+        *(_POST_NORMS if norm_placement == "pre" else ()),
+    }
+    templates = [t for t in HOOK_SHAPES if t not in left_out]
     per_layer = [t for t in templates if t.startswith("blocks.")]
     head = [t for t in templates if t.startswith("hook_")]
     tail = [t for t in templates if t.startswith("ln_final.")]
@@ -128,7 +154,10 @@ _RENAMES = {
     "attention_norm": "ln1",
     "mlp_norm": "ln2",
     "final_norm": "ln_final",
+    "attention_post_norm": "ln1_post",
+    "mlp_post_norm": "ln2_post",
     "mlp_hook_pre": "mlp.hook_pre",
+    "mlp_hook_pre_linear": "mlp.hook_pre_linear",
     "mlp_hook_post": "mlp.hook_post",
 }
 

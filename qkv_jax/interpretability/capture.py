@@ -44,8 +44,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from qkv_jax import lm
+from qkv_jax.hooks import HookPoint
 from qkv_jax.interpretability.cache import hook_name
-from qkv_jax.modules import AttentionRequest, HookPoint
+from qkv_jax.modules import AttentionRequest
 
 Array = jax.Array
 HookFn = Callable[[Array, str], Array]
@@ -209,7 +210,7 @@ def _run_nnx(model: Any, inputs: tuple, kwargs: dict, spec: _Spec):
             point.capture = spec.wants(name)
             point.hook = None if name not in hooks else functools.partial(_named_hook, hooks[name], name)
         for prefix, attention in attentions.items():
-            attention.request = spec.request(prefix, attention.num_heads)
+            attention.request = spec.request(prefix, attention.options.num_heads)
         output, state = nnx.capture(model, nnx.Intermediate)(*inputs, **kwargs)
     finally:
         for point in points.values():

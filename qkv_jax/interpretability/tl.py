@@ -57,6 +57,23 @@ def _config_of(model: TransformerLM | TransformerConfig) -> TransformerConfig:
     raise TypeError(f"model must be a TransformerLM or TransformerConfig, got {type(model).__name__}")
 
 
+# The block options of TransformerConfig and the one value of each that the bridge computes.
+_BRIDGE_BLOCK: dict[str, Any] = {
+    "norm": "layernorm",
+    "norm_epsilon": LAYER_NORM_EPS,
+    "norm_placement": "pre",
+    "parallel_block": False,
+    "mlp_activation": "gelu_tanh",
+    "gated_mlp": False,
+    "mlp_bias": True,
+    "qkv_bias": True,
+    "out_bias": True,
+    "tie_embeddings": False,
+    "embedding_scale": None,
+    "final_logit_soft_cap": None,
+}
+
+
 def _check_expressible(config: TransformerConfig, caller: str) -> None:
     """ValueError naming every option of `config` that the bridge built here would not compute:
     converting such a model would give TransformerLens a different function, silently."""
@@ -69,13 +86,19 @@ def _check_expressible(config: TransformerConfig, caller: str) -> None:
         f"attention_scale={config.attention_scale!r} (the bridge divides by sqrt(d_head))": (
             config.attention_scale is not None
         ),
-        "sinks=True": config.sinks,
+        "use_sinks=True": config.use_sinks,
     }
+    if config.head_dim not in (None, config.d_model // config.num_heads):
+        refused[f"head_dim={config.head_dim}"] = True
+    for name, computed in _BRIDGE_BLOCK.items():
+        value = getattr(config, name)
+        refused[f"{name}={value!r}"] = value != computed
     named = [name for name, set_ in refused.items() if set_]
     if named:
         raise ValueError(
             f"{caller}: {', '.join(named)}: no form in the TransformerLens bridge built here; it "
-            "converts learned positions, global attention, no QK-norm, cap or sinks, and 1/sqrt(d_head)"
+            "converts learned positions, global attention, no QK-norm, cap or sinks, and 1/sqrt(d_head), "
+            "in pre-LayerNorm blocks with a tanh-GELU MLP, every bias, and an untied, uncapped head"
         )
 
 
@@ -84,7 +107,8 @@ def transformer_lens_config(model: TransformerLM | TransformerConfig) -> Any:
 
     Weights are not initialised on boot (`init_weights=False`): they come from
     `transformer_lens_state_dict`. ValueError for a model whose options the bridge would not
-    compute (RoPE or no positions, windows, QK-norm, a soft cap, another logit scale, sinks).
+    compute (RoPE or no positions, windows, QK-norm, a soft cap, another logit scale, sinks, and
+    every block option but pre-LayerNorm tanh-GELU blocks with biases and an untied head).
     """
     _, _ = _import_transformer_lens()
     from transformer_lens.config import TransformerBridgeConfig

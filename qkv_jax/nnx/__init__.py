@@ -13,8 +13,9 @@
   generate            prompt -> sampled tokens for the nnx `TransformerLM`.
   linen_to_nnx, nnx_to_linen  parameters (and decode caches) between the linen
                       modules' variables and these modules, both ways.
-  dot_product_attention  the default `attention_fn` (flax's signature,
-                      `qkv_jax.dot_product_attention` underneath).
+  flax_dot_product_attention  the default `attention_fn` (flax's signature,
+                      `qkv_jax.dot_product_attention` underneath; the old name
+                      `dot_product_attention` warns and still works).
 
 The attention lives in `qkv_jax.nnx.attention`, the language model in `qkv_jax.nnx.lm`.
 """
@@ -24,9 +25,11 @@ from qkv_jax.nnx.attention import (
     LayerNorm,
     LoRALinearGeneral,
     MultiHeadAttention,
-    dot_product_attention,
+    flax_dot_product_attention,
 )
+from qkv_jax.nnx.attention import __getattr__ as __getattr__
 from qkv_jax.nnx.lm import TransformerBlock, TransformerLM, generate, linen_to_nnx, nnx_to_linen
+from qkv_jax.pretrained.io import load_pretrained_nnx as load_pretrained
 
 __all__ = [
     "HookPoint",
@@ -38,5 +41,6 @@ __all__ = [
     "generate",
     "linen_to_nnx",
     "nnx_to_linen",
-    "dot_product_attention",
+    "load_pretrained",
+    "flax_dot_product_attention",
 ]

@@ -1,27 +1,27 @@
-"""qkv_jax's attention as native `flax.nnx` modules (the language model: `qkv_jax.nnx.lm`).
+"""The nnx face of qkv_jax's attention (the language model: `qkv_jax.nnx.lm`).
 
-  HookPoint, LayerNorm  the linen `qkv_jax.modules` hook point and LayerNorm with
-                      hook points, as nnx modules (`qkv_jax.interpretability`).
-  LoRALinearGeneral   `flax.nnx.LinearGeneral` with a LoRA adapter (the linen
-                      `qkv_jax.lora.LoRADenseGeneral`'s parameters).
-  MultiHeadAttention  a drop-in for `flax.nnx.MultiHeadAttention` (its
-                      constructor, call, attribute names, `init_cache`), with
-                      qkv_jax's extras: MLA latents, head_dim/v_head_dim,
-                      is_causal, scale, the attention implementation, LoRA.
-  dot_product_attention  the default `attention_fn` (flax's signature,
-                      `qkv_jax.dot_product_attention` underneath).
+  MultiHeadAttention  drop-in for `flax.nnx.MultiHeadAttention` (constructor,
+                      call, attribute names, `init_cache`) plus qkv_jax's
+                      options; it makes its parameters and cache the nnx way
+  LoRALinearGeneral   `flax.nnx.LinearGeneral` beside a LoRA adapter, with
+                      `qkv_jax.lora.LoRADenseGeneral`'s parameter names
+  HookPoint, LayerNorm  nnx forms of the linen hook point and LayerNorm
+  flax_dot_product_attention  the default `attention_fn` (flax's signature,
+                      `qkv_jax.dot_product_attention` underneath; the old name
+                      `dot_product_attention` warns and still works).
 
-Both module families run the same pure functions of `qkv_jax.modules`
-(`project_inputs`, `append_to_cache`, `attend_entries`): only where the
-parameters and the cache live differs. Attribute names equal the linen
-parameter names, so `nnx.to_pure_dict(nnx.state(model, nnx.Param))` is the
+Both faces call one core, `qkv_jax.modules.multi_head_attention`, with one
+`AttentionOptions`: only where the parameters and the cache live differs.
+Attribute names equal the linen parameter names, so
+`nnx.to_pure_dict(nnx.state(model, nnx.Param))` is the
 linen `params` tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import types
+import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -29,33 +29,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from qkv_jax.attention import PrecisionLike
 from qkv_jax.lora import check_adapter, default_lora_a_init, lora_update
 from qkv_jax.modules import (
+    OWNER,
+    AttentionFace,
     AttentionLayers,
+    AttentionOptions,
     AttentionRequest,
-    KeyVisibility,
-    _check_inputs,
+    DecodeCache,
     _check_positive,
-    attend_entries,
     cache_slots,
-    cache_step,
-    check_attention_settings,
-    check_segment_ids,
     flax_dot_product_attention,
-    full_pass_keys,
-    hook_projections,
-    input_positions,
     layer_norm,
-    project_inputs,
-    qk_norm_kind,
+    multi_head_attention,
+    resolve_flag,
     resolve_head_dim,
     resolve_inputs,
-    rotate_inputs,
 )
+from qkv_jax.nnx.hooks import HookPoint
+from qkv_jax.nnx.hooks import hooks_of as _hooks_of
+from qkv_jax.nnx.norms import Norm
+from qkv_jax.positions import RopeScaling
 
 Array = jax.Array
 Dtype = Any
@@ -66,79 +63,28 @@ __all__ = [
     "LayerNorm",
     "MultiHeadAttention",
     "LoRALinearGeneral",
-    "dot_product_attention",
+    "flax_dot_product_attention",
 ]
 
-dot_product_attention = flax_dot_product_attention
+# Old names that still work, with a DeprecationWarning naming the new one (`__getattr__`).
+RENAMED = {"dot_product_attention": "flax_dot_product_attention"}
 
-_OWNER = "qkv_jax.nnx.MultiHeadAttention"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-# MultiHeadAttention's settings checked as given (by `check_attention_settings`), then the others.
-_CHECKED_FIELDS = (
-    "num_heads",
-    "qkv_features",
-    "head_dim",
-    "num_kv_heads",
-    "v_head_dim",
-    "out_features",
-    "kv_latent_dim",
-    "dropout_rate",
-    "normalize_qk",
-    "absorb_latent",
-    "attention_fn",
-    "scale",
-    "attention_implementation",
-    "lora_rank",
-    "lora_alpha",
-    "lora_targets",
-    "local_window_size",
-    "rope_base",
-    "rope_fraction",
-    "attn_logits_soft_cap",
-    "use_sinks",
-)
-_PLAIN_FIELDS = (
-    "in_features",
-    "dtype",
-    "param_dtype",
-    "broadcast_dropout",
-    "deterministic",
-    "precision",
-    "use_bias",
-    "decode",
-    "is_causal",
-    "force_fp32_for_softmax",
-    "sow_weights",
-)
 # flax.nnx.MultiHeadAttention's initializers.
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 _BIAS_INIT = nnx.initializers.zeros_init()
 
 
-class HookPoint(nnx.Module):
-    """`qkv_jax.modules.HookPoint` as an nnx module: `__call__(x) -> x`, no parameters.
-
-    Two static attributes, set by `qkv_jax.interpretability` around a run and
-    reset after it: `hook` (None, or `x -> x'`, which the point then returns)
-    and `capture` (sow the value it returns as `nnx.Intermediate`
-    "activation", which `nnx.capture` collects). Both off, it is the identity.
-    """
-
-    def __init__(self):
-        self.hook: Callable[[Array], Array] | None = None
-        self.capture = False
-
-    def __call__(self, x: Array) -> Array:
-        if self.hook is not None:
-            x = self.hook(x)
-        if self.capture:
-            self.sow(nnx.Intermediate, "activation", x)
-        return x
-
-
-def _hooks_of(module: nnx.Module) -> Callable[[str, Array], Array]:
-    """`(name, x) -> x` through `module`'s HookPoint attribute `name`."""
-    return lambda name, x: getattr(module, name)(x)
+def __getattr__(name: str) -> Any:
+    if name in RENAMED:
+        warnings.warn(
+            f"qkv_jax.nnx.{name} is renamed qkv_jax.nnx.{RENAMED[name]} (flax's attention_fn signature, "
+            "not qkv_jax.dot_product_attention's); the old name will be removed",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -224,8 +170,12 @@ class MultiHeadAttention(nnx.Module):
     lora_alpha, lora_targets (`qkv_jax.lora.LoRALinearGeneral` projections),
     normalize_qk also "layernorm" or "rms" (`nnx.RMSNorm`), local_window_size
     (a ring-buffer cache of left + 1 slots when narrower than the cache),
-    rope_base and rope_fraction (RoPE), attn_logits_soft_cap, use_sinks
-    (`sinks` `[N]`, an `nnx.Param`, zero at init).
+    rope_base, rope_fraction and rope_scaling (RoPE), attn_logits_soft_cap, use_sinks
+    (`sinks` `[N]`, an `nnx.Param`, zero at init), out_bias, qk_norm_width and
+    qk_norm_epsilon (normalize_qk "rms_offset": `qkv_jax.nnx.norms.Norm`). The
+    options are one `AttentionOptions` (`options`, also each as an attribute
+    of its name); the computation is the linen face's core,
+    `qkv_jax.modules.multi_head_attention`.
 
     `__call__(inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
     deterministic=None, rngs=None, sow_weights=False, decode=None,
@@ -239,40 +189,18 @@ class MultiHeadAttention(nnx.Module):
     positions up to its own.
     """
 
-    # Set by `_settle` from the constructor's arguments (see `_CHECKED_FIELDS`, `_PLAIN_FIELDS`).
-    num_heads: int
+    # The options (`AttentionOptions`, also as attributes of their names) and these, resolved as
+    # flax.nnx keeps them.
+    options: AttentionOptions
     in_features: int
+    in_kv_features: int
     qkv_features: int
     out_features: int
-    in_kv_features: int
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    kv_latent_dim: int | None
-    dtype: Dtype | None
-    param_dtype: Dtype
-    broadcast_dropout: bool
-    dropout_rate: float
     deterministic: bool | None
-    precision: PrecisionLike
-    use_bias: bool
-    attention_fn: Callable[..., Array]
     decode: bool | None
-    normalize_qk: bool | str
-    absorb_latent: bool
-    is_causal: bool
-    scale: float | None
-    force_fp32_for_softmax: bool
-    sow_weights: bool
-    attention_implementation: str | None
-    lora_rank: int
-    lora_alpha: float
-    lora_targets: tuple[str, ...]
-    local_window_size: int | tuple[int, int] | None
-    rope_base: float | None
-    rope_fraction: float
-    attn_logits_soft_cap: float | None
-    use_sinks: bool
 
     def __init__(
         self,
@@ -329,91 +257,107 @@ class MultiHeadAttention(nnx.Module):
         rope_fraction: float = 1.0,
         attn_logits_soft_cap: float | None = None,
         use_sinks: bool = False,
+        out_bias: bool | None = None,
+        qk_norm_width: str = "head",
+        qk_norm_epsilon: float = 1e-6,
+        rope_scaling: RopeScaling | None = None,
     ):
-        given = types.SimpleNamespace(**{name: value for name, value in locals().items() if name != "self"})
-        self._settle(given)
-        self._build(given)
+        arguments: Mapping[str, Any] = MappingProxyType(dict(locals()))
+        self._settle(AttentionOptions.pick(arguments), in_features, in_kv_features)
+        self.deterministic, self.decode = deterministic, decode
+        self._build(arguments)
 
-    def _settle(self, given: types.SimpleNamespace) -> None:
-        """The settings: checked as given (by the linen module's checks), then resolved as
-        flax.nnx keeps them (`qkv_features`, `out_features`, `num_kv_heads` filled in)."""
-        for name in _CHECKED_FIELDS:
-            setattr(self, name, getattr(given, name))
-        self.qk_attn_weights_einsum_cls = self.attn_weights_value_einsum_cls = None
-        check_attention_settings(_OWNER, self)
-        _check_positive(_OWNER, in_features=given.in_features, in_kv_features=given.in_kv_features)
-        for name in _PLAIN_FIELDS:
-            setattr(self, name, getattr(given, name))
-        self.in_kv_features = given.in_kv_features or given.in_features
+    def _settle(self, options: AttentionOptions, in_features: int, in_kv_features: int | None) -> None:
+        """The options (checked when built), each also an attribute of its name, and the sizes
+        resolved as flax.nnx keeps them (`qkv_features`, `out_features`, `num_kv_heads`, ...)."""
+        _check_positive(OWNER, in_features=in_features, in_kv_features=in_kv_features)
+        self.options = options
+        for field in dataclasses.fields(options):
+            setattr(self, field.name, getattr(options, field.name))
+        self.in_features = in_features
+        self.in_kv_features = in_kv_features or in_features
         self.head_dim = resolve_head_dim(
-            _OWNER, given.num_heads, given.head_dim, given.qkv_features, given.in_features
+            OWNER, options.num_heads, options.head_dim, options.qkv_features, in_features
         )
-        self.v_head_dim = given.v_head_dim or self.head_dim
-        self.qkv_features = given.num_heads * self.head_dim
-        self.out_features = given.out_features or given.in_features
-        self.num_kv_heads = given.num_kv_heads or given.num_heads
+        self.v_head_dim = options.v_head_dim or self.head_dim
+        self.qkv_features = options.num_heads * self.head_dim
+        self.out_features = options.out_features or in_features
+        self.num_kv_heads = options.num_kv_heads or options.num_heads
 
     def _projection(
-        self, given: types.SimpleNamespace, name: str, features_in: Any, features_out: Any, **options
+        self, given: Mapping[str, Any], name: str, features_in: Any, features_out: Any, **settings
     ):
-        """The `nnx.LinearGeneral` projection `name` (W_O with `out_*` options), with a LoRA
+        """The `nnx.LinearGeneral` projection `name` (W_O with the `out_*` keywords), with a LoRA
         adapter when `name` is one of `lora_targets`."""
-        out = name == "out"
-        options |= dict(
-            use_bias=given.use_bias,
-            dtype=given.dtype,
-            param_dtype=given.param_dtype,
-            kernel_init=(given.out_kernel_init or given.kernel_init) if out else given.kernel_init,
-            bias_init=(given.out_bias_init or given.bias_init) if out else given.bias_init,
-            precision=given.precision,
-            promote_dtype=given.out_promote_dtype if out else given.qkv_promote_dtype,
-            dot_general=given.out_dot_general if out else given.qkv_dot_general,
-            dot_general_cls=given.out_dot_general_cls if out else given.qkv_dot_general_cls,
-            kernel_metadata=(given.out_kernel_metadata or given.kernel_metadata)
+        options, out = self.options, name == "out"
+        settings |= dict(
+            use_bias=options.bias_of_out if out else options.use_bias,
+            dtype=options.dtype,
+            param_dtype=options.param_dtype,
+            kernel_init=(given["out_kernel_init"] or given["kernel_init"]) if out else given["kernel_init"],
+            bias_init=(given["out_bias_init"] or given["bias_init"]) if out else given["bias_init"],
+            precision=options.precision,
+            promote_dtype=given["out_promote_dtype"] if out else given["qkv_promote_dtype"],
+            dot_general=given["out_dot_general"] if out else given["qkv_dot_general"],
+            dot_general_cls=given["out_dot_general_cls"] if out else given["qkv_dot_general_cls"],
+            kernel_metadata=(given["out_kernel_metadata"] or given["kernel_metadata"])
             if out
-            else given.kernel_metadata,
-            bias_metadata=(given.out_bias_metadata or given.bias_metadata) if out else given.bias_metadata,
-            rngs=given.rngs,
+            else given["kernel_metadata"],
+            bias_metadata=(given["out_bias_metadata"] or given["bias_metadata"])
+            if out
+            else given["bias_metadata"],
+            rngs=given["rngs"],
         )
-        if given.lora_rank and name in given.lora_targets:
-            adapter = dict(rank=given.lora_rank, alpha=given.lora_alpha)
-            return LoRALinearGeneral(features_in, features_out, **adapter, **options)
-        return nnx.LinearGeneral(features_in, features_out, **options)
+        if options.lora_rank and name in options.lora_targets:
+            rank, alpha = options.lora_rank, options.lora_alpha
+            return LoRALinearGeneral(features_in, features_out, rank=rank, alpha=alpha, **settings)
+        return nnx.LinearGeneral(features_in, features_out, **settings)
 
-    def _build(self, given: types.SimpleNamespace) -> None:
-        """The sub-modules, drawn from `given.rngs` in flax.nnx's order (query, key, value,
+    def _qk_norm(self, given: Mapping[str, Any], heads: int, metadata: Mapping[str, Any]) -> Any:
+        """query_ln or key_ln (normalize_qk) over H, or with qk_norm_width "full" over `heads` * H:
+        flax.nnx's LayerNorm (no bias) or RMSNorm as flax builds them, or Gemma's offset RMSNorm
+        (`qkv_jax.norms`)."""
+        options = self.options
+        features = self.head_dim * (heads if options.qk_norm_width == "full" else 1)
+        settings = dict(epsilon=options.qk_norm_epsilon, dtype=options.dtype, param_dtype=options.param_dtype)
+        if options.qk_norm == "rms_offset":
+            return Norm(features, kind="rms_offset", rngs=given["rngs"], **settings)
+        norm = nnx.RMSNorm if options.qk_norm == "rms" else functools.partial(nnx.LayerNorm, use_bias=False)
+        return norm(
+            features,
+            promote_dtype=given["ln_promote_dtype"],
+            scale_metadata=metadata,
+            rngs=given["rngs"],
+            **settings,
+        )
+
+    def _build(self, given: Mapping[str, Any]) -> None:
+        """The sub-modules, drawn from `given["rngs"]` in flax.nnx's order (query, key, value,
         query_ln, key_ln, out; MLA's kv_latent after the query), the kept dropout stream, and the
         empty cache slots."""
-        heads, kv_heads, key_in = (self.num_heads, self.head_dim), self.num_kv_heads, self.in_kv_features
+        options = self.options
+        heads, kv_heads, key_in = (options.num_heads, self.head_dim), self.num_kv_heads, self.in_kv_features
         self.query = self._projection(given, "query", self.in_features, heads)
         self.kv_latent: nnx.LinearGeneral | None = nnx.data(None)
-        if self.kv_latent_dim is not None:
-            self.kv_latent = self._projection(given, "kv_latent", key_in, self.kv_latent_dim)
-            key_in = self.kv_latent_dim
+        if options.kv_latent_dim is not None:
+            self.kv_latent = self._projection(given, "kv_latent", key_in, options.kv_latent_dim)
+            key_in = options.kv_latent_dim
         self.key = self._projection(given, "key", key_in, (kv_heads, self.head_dim))
         self.value = self._projection(given, "value", key_in, (kv_heads, self.v_head_dim))
-        self.query_ln: nnx.LayerNorm | nnx.RMSNorm | None = nnx.data(None)
-        self.key_ln: nnx.LayerNorm | nnx.RMSNorm | None = nnx.data(None)
-        kind = qk_norm_kind(_OWNER, self.normalize_qk)
-        if kind:
-            norm = functools.partial(
-                nnx.RMSNorm if kind == "rms" else functools.partial(nnx.LayerNorm, use_bias=False),
-                self.head_dim,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                promote_dtype=given.ln_promote_dtype,
-                rngs=given.rngs,
-            )
-            self.query_ln = norm(scale_metadata=given.query_ln_scale_metadata)
-            self.key_ln = norm(scale_metadata=given.key_ln_scale_metadata)
+        self.query_ln: nnx.Module | None = nnx.data(None)
+        self.key_ln: nnx.Module | None = nnx.data(None)
+        if options.qk_norm:
+            self.query_ln = self._qk_norm(given, options.num_heads, given["query_ln_scale_metadata"])
+            self.key_ln = self._qk_norm(given, kv_heads, given["key_ln_scale_metadata"])
         self.out = self._projection(
-            given, "out", (self.num_heads, self.v_head_dim), self.out_features, axis=(-2, -1)
+            given, "out", (options.num_heads, self.v_head_dim), self.out_features, axis=(-2, -1)
         )
         self.sinks: nnx.Param | None = nnx.data(None)
-        if self.use_sinks:  # (N,): one sink logit per query head
-            self.sinks = nnx.Param(jnp.zeros((self.num_heads,), self.param_dtype))
-        self.rngs = given.rngs.dropout.fork() if given.keep_rngs and self.dropout_rate > 0 else None
-        latent = ("hook_kv_latent",) if self.kv_latent_dim is not None else ()
+        if options.use_sinks:  # (N,): one sink logit per query head
+            self.sinks = nnx.Param(jnp.zeros((options.num_heads,), options.param_dtype))
+        dropping = given["keep_rngs"] and options.dropout_rate > 0
+        self.rngs = given["rngs"].dropout.fork() if dropping else None
+        latent = ("hook_kv_latent",) if options.kv_latent_dim is not None else ()
         for name in (
             "hook_q",
             "hook_k",
@@ -431,7 +375,7 @@ class MultiHeadAttention(nnx.Module):
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def _cache_names(self) -> tuple[str, ...]:
-        return ("latent",) if self.kv_latent_dim is not None else ("key", "value")
+        return ("latent",) if self.options.kv_latent_dim is not None else ("key", "value")
 
     def _layers(self, qkv_sharding: Any, out_sharding: Any) -> AttentionLayers:
         def sharded(layer: nnx.LinearGeneral, sharding: Any) -> Callable[[Array], Array]:
@@ -459,12 +403,12 @@ class MultiHeadAttention(nnx.Module):
         `dtype`, and `cache_index` 0. With a window narrower than max_length,
         `cache_slots` positions (a ring buffer) instead of max_length.
         """
-        slots = cache_slots(self.local_window_size, input_shape[-2])
+        slots = cache_slots(self.options.local_window_size, input_shape[-2])
         positions = (*input_shape[:-2], slots)  # (batch..., max_length or the ring's slots)
         widths = {
             "key": (self.num_kv_heads, self.head_dim),
             "value": (self.num_kv_heads, self.v_head_dim),
-            "latent": (self.kv_latent_dim,),
+            "latent": (self.options.kv_latent_dim,),
         }
         for name in self._cache_names():
             setattr(self, f"cached_{name}", nnx.Cache(jnp.zeros((*positions, *widths[name]), dtype)))
@@ -487,11 +431,11 @@ class MultiHeadAttention(nnx.Module):
         if decode and self.cache_index is None:
             if batch_size is None or max_length is None:
                 raise TypeError(
-                    "qkv_jax.nnx.MultiHeadAttention.set_view: a decode view creates the cache and needs "
-                    f"batch_size and max_length, got batch_size={batch_size!r}, max_length={max_length!r}"
+                    f"{OWNER}.set_view: a decode view creates the cache and needs batch_size and "
+                    f"max_length, got batch_size={batch_size!r}, max_length={max_length!r}"
                 )
             batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
-            self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)
+            self.init_cache((*batch, max_length, self.in_features), self.options.dtype or jnp.float32)
 
     def __call__(
         self,
@@ -510,71 +454,42 @@ class MultiHeadAttention(nnx.Module):
         head_mask: Array | None = None,
         segment_ids: Array | None = None,
     ) -> Array:
-        inputs_k, inputs_v = resolve_inputs(_OWNER, inputs_q, inputs_k, inputs_v, None, warn_square=False)
-        _check_inputs(_OWNER, "inputs_q", inputs_q)
-        if inputs_q.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{_OWNER}: inputs_q has {inputs_q.shape[-1]} features (shape {inputs_q.shape}), "
-                f"in_features={self.in_features}"
-            )
-        decoding = first_from(
-            decode, self.decode, error_msg=f"{_OWNER}: pass decode to the constructor or the call"
+        options = self.options
+        inputs_k, inputs_v = resolve_inputs(OWNER, inputs_q, inputs_k, inputs_v, None, warn_square=False)
+        kv_width = self.in_kv_features
+        face = AttentionFace(
+            options,
+            layers=lambda features: self._layers(qkv_sharding, out_sharding),
+            widths={"inputs_q": self.in_features, "inputs_k": kv_width, "inputs_v": kv_width},
+            cache=self._cache,
+            decode=resolve_flag("decode", self.decode, decode),
+            is_causal=options.is_causal if is_causal is None else is_causal,
+            deterministic=(self.deterministic, deterministic, False),
+            dropout_rng=functools.partial(self._dropout_rng, rngs),
+            sow_module=self if sow_weights or options.sow_weights else None,
         )
-        check_segment_ids(_OWNER, segment_ids, decoding)
-        if decoding and self.cache_index is None:
-            raise ValueError(f"{_OWNER}: the decode cache is not initialized; call init_cache first")
-        layers = self._layers(qkv_sharding, out_sharding)
-        query, entries = project_inputs(layers, inputs_q, inputs_k, inputs_v)
-        start = self.cache_index[...] if decoding and self.cache_index is not None else None
-        positions = input_positions(_OWNER, query.shape[-3], inputs_k.shape[-2], start, segment_ids)
-        query, entries = hook_projections(layers, *rotate_inputs(_OWNER, self, query, entries, *positions))
-        is_causal = self.is_causal if is_causal is None else is_causal
-        keys, fits = full_pass_keys(_OWNER, self.local_window_size, is_causal, segment_ids), None
-        if decoding:
-            entries, keys, fits = self._append(entries, axis=inputs_k.ndim - 2)
-        deterministic, dropout_rng = self._dropout(deterministic, rngs)
-        return attend_entries(
-            self,
-            layers,
-            query,
-            entries,
-            mask=mask,
-            head_mask=head_mask,
-            keys=keys,
-            decoding=decoding,
-            fits=fits,
-            deterministic=deterministic,
-            dropout_rng=dropout_rng,
-            sow_module=self if sow_weights or self.sow_weights else None,
+        return multi_head_attention(
+            face, inputs_q, inputs_k, inputs_v, mask=mask, head_mask=head_mask, segment_ids=segment_ids
         )
 
-    def _append(self, entries: dict[str, Array], axis: int) -> tuple[dict[str, Array], KeyVisibility, Any]:
-        """`cache_step` on the cache variables, which it updates: (the entries to attend over,
-        which of them each query sees, whether the positions fit)."""
+    def _cache(self, entries: Mapping[str, Array], axis: int) -> DecodeCache:
+        """The decode cache's arrays (`init_cache` made them) and how to write them back."""
+        if self.cache_index is None:
+            raise ValueError(f"{OWNER}: the decode cache is not initialized; call init_cache first")
         cached = {name: getattr(self, f"cached_{name}")[...] for name in entries}
-        assert self.cache_index is not None
-        written, self.cache_index[...], attended, keys, fits = cache_step(
-            _OWNER, self.local_window_size, cached, self.cache_index[...], entries, axis
-        )
+        return DecodeCache(cached, self.cache_index[...], self._store)
+
+    def _store(self, written: Mapping[str, Array], index: Array) -> None:
         for name, value in written.items():
             getattr(self, f"cached_{name}")[...] = value
-        return attended, keys, fits
+        assert self.cache_index is not None
+        self.cache_index[...] = index
 
-    def _dropout(self, deterministic: bool | None, rngs: Any) -> tuple[bool, Array | None]:
-        """flax.nnx's rule: `deterministic` (the call's, else the constructor's) is needed only with
-        dropout; the key comes from the call's `rngs`, else the kept stream."""
-        if self.dropout_rate == 0.0:
-            return True, None
-        deterministic = first_from(
-            deterministic,
-            self.deterministic,
-            error_msg=f"{_OWNER}: pass deterministic to the constructor or the call",
-        )
-        if deterministic:
-            return True, None
+    def _dropout_rng(self, rngs: nnx.Rngs | nnx.RngStream | None) -> Array:
+        """flax.nnx's rule: the dropout key from the call's `rngs`, else the kept stream."""
         stream = self.rngs if rngs is None else rngs
         if stream is None:
             raise ValueError(
-                f"{_OWNER}: dropout needs rngs= in the call when the module keeps none (keep_rngs=False)"
+                f"{OWNER}: dropout needs rngs= in the call when the module keeps none (keep_rngs=False)"
             )
-        return False, (stream.dropout if isinstance(stream, nnx.Rngs) else stream)()
+        return (stream.dropout if isinstance(stream, nnx.Rngs) else stream)()

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qkv_jax import lm
-from qkv_jax.nnx.attention import HookPoint, LayerNorm, LoRALinearGeneral, MultiHeadAttention, _hooks_of
+from qkv_jax.nnx.attention import LoRALinearGeneral, MultiHeadAttention
+from qkv_jax.nnx.hooks import HookPoint, hooks_of
+from qkv_jax.nnx.norms import Norm
 
 Array = jax.Array
 Dtype = Any
@@ -37,8 +39,20 @@ _BLOCK_HOOKS = (
 )
 
 
+def _norm(config: lm.TransformerConfig, rngs: nnx.Rngs) -> Norm:
+    return Norm(
+        config.d_model,
+        kind=config.norm,
+        epsilon=config.norm_epsilon,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        rngs=rngs,
+    )
+
+
 class TransformerBlock(nnx.Module):
-    """`qkv_jax.lm.TransformerBlock` as an nnx module: the same sub-module names, math and hook points.
+    """`qkv_jax.lm.TransformerBlock` as an nnx module: `lm.block_forward` over nnx sub-modules of
+    the linen block's names.
 
     `TransformerBlock(config, *, rngs, layer=0)` (`layer` picks its window);
     `__call__(x, deterministic=True, decode=False, head_mask=None,
@@ -46,56 +60,68 @@ class TransformerBlock(nnx.Module):
     """
 
     def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
-        width, hidden = config.d_model, config.mlp_dim or 4 * config.d_model
-        norm = functools.partial(
-            LayerNorm, width, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
-        )
-        self.attention_norm = norm()
+        self.config = config
+        norms = lm.block_norms(config)
+        if "attention_norm" in norms:
+            self.attention_norm = _norm(config, rngs)
         self.attention = MultiHeadAttention(
-            in_features=width, decode=False, rngs=rngs, **lm.attention_options(config, layer)
+            in_features=config.d_model, decode=False, rngs=rngs, **lm.attention_options(config, layer)
         )
-        self.mlp_norm = norm()
+        if "mlp_norm" in norms:
+            self.mlp_norm = _norm(config, rngs)
         dense: Any = nnx.Linear
         options: dict[str, Any] = dict(
-            dtype=config.dtype, param_dtype=config.param_dtype, precision=config.precision, rngs=rngs
+            use_bias=config.mlp_bias,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            precision=config.precision,
+            rngs=rngs,
         )
         if config.lora_rank and "mlp" in config.lora_targets:
             dense = functools.partial(LoRALinearGeneral, rank=config.lora_rank, alpha=config.lora_alpha)
-        self.mlp_in = dense(width, hidden, **options)
-        self.mlp_out = dense(hidden, width, **options)
-        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        for name in _BLOCK_HOOKS:
+        for name, (width_in, width_out) in lm.mlp_projections(config).items():
+            setattr(self, name, dense(width_in, width_out, **options))
+        for name in norms:
+            if name.endswith("_post_norm"):
+                setattr(self, name, _norm(config, rngs))
+        self.dropout = nnx.Dropout(config.residual_dropout_rate, rngs=rngs)
+        hooks = _BLOCK_HOOKS + (("mlp_hook_pre_linear",) if config.gated_mlp else ())
+        for name in hooks:
             setattr(self, name, HookPoint())
+
+    def _layers(self) -> lm.BlockLayers:
+        def attention(h, deterministic, decode, head_mask, segment_ids):
+            return self.attention(
+                h, deterministic=deterministic, decode=decode, head_mask=head_mask, segment_ids=segment_ids
+            )
+
+        return lm.BlockLayers(
+            norm=lambda name, x: getattr(self, name)(x),
+            attention=attention,
+            dense=lambda name, h: getattr(self, name)(h),
+            dropout=lambda x, deterministic: self.dropout(x, deterministic=deterministic),
+            hook=hooks_of(self),
+        )
 
     def __call__(
         self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None
     ) -> Array:
-        hook = _hooks_of(self)
-        x = hook("hook_resid_pre", x)
-        h = self.attention(
-            self.attention_norm(x),
-            deterministic=deterministic,
-            decode=decode,
-            head_mask=head_mask,
-            segment_ids=segment_ids,
-        )  # (..., T, D)
-        x = hook("hook_resid_mid", x + self.dropout(hook("hook_attn_out", h), deterministic=deterministic))
-        h = hook("mlp_hook_pre", self.mlp_in(self.mlp_norm(x)))  # (..., T, mlp_dim)
-        h = hook("hook_mlp_out", self.mlp_out(hook("mlp_hook_post", nnx.gelu(h))))  # (..., T, D)
-        return hook("hook_resid_post", x + self.dropout(h, deterministic=deterministic))  # (..., T, D)
+        return lm.block_forward(self.config, self._layers(), x, deterministic, decode, head_mask, segment_ids)
 
 
 class TransformerLM(nnx.Module):
-    """`qkv_jax.lm.TransformerLM` as an nnx module, built from the same `TransformerConfig`.
+    """`qkv_jax.lm.TransformerLM` as an nnx module, built from the same `TransformerConfig`:
+    `lm.lm_forward` over nnx sub-modules.
 
     `TransformerLM(config, *, rngs)`; `__call__(tokens, deterministic=True,
     decode=False, head_mask=None, segment_ids=None)`: int tokens `[batch...,
     T]` -> float32 logits `[batch..., T, vocab_size]`. Attributes
     `token_embedding`, `position_embedding` (learned positions only),
-    `block_0` ... `block_{L-1}`, `final_norm`, `head`: the linen model's
-    parameter names (`linen_to_nnx`, `nnx_to_linen`).
-    `init_cache(batch_size)` makes room for `config.max_len` positions;
-    decoding continues the positions from `cache_index`.
+    `block_0` ... `block_{L-1}`, `final_norm`, `head` (not with
+    tie_embeddings): the linen model's parameter names (`linen_to_nnx`,
+    `nnx_to_linen`). `init_cache(batch_size)` makes room for
+    `config.max_len` positions; decoding continues the positions from
+    `cache_index`.
     """
 
     def __init__(self, config: lm.TransformerConfig, *, rngs: nnx.Rngs):
@@ -117,19 +143,19 @@ class TransformerLM(nnx.Module):
             self.hook_pos_embed = HookPoint()
         for layer in range(config.num_layers):
             setattr(self, f"block_{layer}", TransformerBlock(config, rngs=rngs, layer=layer))
-        self.final_norm = LayerNorm(
-            config.d_model, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
-        )
-        self.head = nnx.Linear(
-            config.d_model,
-            config.vocab_size,
-            use_bias=False,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            precision=config.precision,
-            rngs=rngs,
-        )
-        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        self.final_norm = _norm(config, rngs)
+        self.head: nnx.Linear | None = nnx.data(None)
+        if not config.tie_embeddings:
+            self.head = nnx.Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                dtype=config.dtype,
+                param_dtype=config.param_dtype,
+                precision=config.precision,
+                rngs=rngs,
+            )
+        self.dropout = nnx.Dropout(config.residual_dropout_rate, rngs=rngs)
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def blocks(self) -> list[TransformerBlock]:
@@ -144,6 +170,24 @@ class TransformerLM(nnx.Module):
             block.attention.init_cache((batch_size, config.max_len, config.d_model), dtype)
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
+    def _layers(self) -> lm.LMLayers:
+        blocks = self.blocks()
+
+        def position_table() -> Array:
+            assert self.position_embedding is not None  # read with learned positions only
+            return self.position_embedding[...]
+
+        return lm.LMLayers(
+            embed=self.token_embedding,
+            position_table=position_table,
+            block=lambda layer, *args: blocks[layer](*args),
+            final_norm=self.final_norm,
+            embedding_table=lambda: self.token_embedding.embedding[...],
+            head=self.head,
+            dropout=lambda x, deterministic: self.dropout(x, deterministic=deterministic),
+            hook=hooks_of(self),
+        )
+
     def __call__(
         self,
         tokens: Array,
@@ -152,30 +196,15 @@ class TransformerLM(nnx.Module):
         head_mask=None,
         segment_ids=None,
     ):
-        config = self.config
-        lm.check_tokens(tokens, decode, config, segment_ids)
         if decode and self.cache_index is None:
             raise ValueError("qkv_jax.nnx.TransformerLM: decoding needs init_cache(batch_size) first")
         index = self.cache_index[...] if decode and self.cache_index is not None else None
-        new_index, positions = lm.token_positions(
-            tokens.shape[-1], index, segment_ids, lm.decode_capacity(config)
+        logits, new_index = lm.lm_forward(
+            self.config, self._layers(), tokens, deterministic, decode, head_mask, segment_ids, index
         )
-        if self.cache_index is not None and index is not None:
+        if self.cache_index is not None and new_index is not None:
             self.cache_index[...] = new_index
-        x = self.hook_embed(self.token_embedding(tokens))  # (..., T, D)
-        if self.position_embedding is not None:
-            x = x + self.hook_pos_embed(lm.position_embeddings(self.position_embedding[...], positions, x))
-        x = self.dropout(x, deterministic=deterministic)
-        if head_mask is not None and jnp.shape(head_mask) != (config.num_layers, config.num_heads):
-            raise ValueError(
-                f"qkv_jax.nnx.TransformerLM: head_mask has shape {jnp.shape(head_mask)}, expected "
-                f"(num_layers, num_heads) = {(config.num_layers, config.num_heads)}"
-            )
-        for layer, block in enumerate(self.blocks()):
-            layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
-            x = block(x, deterministic, decode, layer_mask, segment_ids)  # (..., T, D)
-        logits = self.head(self.final_norm(x))  # (..., T, V)
-        return logits.astype(jnp.float32)
+        return logits
 
 
 def _sample(graphdef, state, prompt, rng, temperature, max_new_tokens, top_k):
@@ -205,21 +234,13 @@ def generate(
     top_k: int | None = None,
 ) -> Array:
     """`qkv_jax.lm.generate` for the nnx `TransformerLM`: `[B, max_new_tokens]` int32 tokens
-    after each row of `prompt` `[B, P]`, with the same checks and sampling. The model is not
-    changed (its own cache, if any, is left as it was)."""
-    prompt = jnp.asarray(prompt)
-    if not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ValueError(f"generate: prompt must hold integer tokens, got dtype {prompt.dtype}")
-    lm.check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
+    after each row of `prompt` `[B, P]`, with the same checks and sampling
+    (`lm.checked_prompt`, `lm.sample_with_cache`). The model is not changed
+    (its own cache, if any, is left as it was)."""
+    prompt = lm.checked_prompt(model, prompt, max_new_tokens, temperature, top_k)
     graphdef, state = nnx.split(model)
     return _compiled_sample(
-        graphdef,
-        state,
-        prompt.astype(jnp.int32),
-        rng,
-        jnp.float32(temperature),
-        max_new_tokens=max_new_tokens,
-        top_k=top_k,
+        graphdef, state, prompt, rng, jnp.float32(temperature), max_new_tokens=max_new_tokens, top_k=top_k
     )
 
 

@@ -457,7 +457,7 @@ def write_sweep_page(
     extra: Sequence[str] = (),
 ) -> pathlib.Path:
     """Writes a `results.html`-style page: a sweep's results table (as
-    `qkv_jax.studies.results.results_table`), sortable by any column, each cell's entries
+    the checkout's `studies.results.results_table`), sortable by any column, each cell's entries
     linking to its run's page.
 
     `rows` are a sweep's result rows (done, skipped or failed); `link_for_cell` maps a

@@ -211,7 +211,7 @@ def _variant_columns(setup: Setup, views: Sequence[Any]) -> dict[str, np.ndarray
     if any(w is not None for w in windows):
         per_layer = np.array([np.nan if w is None else w for w in windows], dtype=float)  # (L,)
         columns["window"] = np.broadcast_to(per_layer[:, None], heads)
-    if config.sinks:
+    if config.use_sinks:
         per_view = [[sink_mass(np.asarray(w)) for w in view.maps.values()] for view in views]  # [E][L][N]
         columns["sink_mass"] = np.mean(np.asarray(per_view, dtype=float), axis=0)  # (L, N)
     return columns

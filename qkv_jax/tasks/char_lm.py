@@ -221,7 +221,7 @@ class CharLM:
     def head_metrics(self, params: Any, tokens: jax.Array, key: jax.Array) -> dict:
         """Per layer and head ([L, N] each) on validation text, and induction scores."""
         stats = [
-            head_diagnostics(w, sinks=self.model.config.sinks)
+            head_diagnostics(w, sinks=self.model.config.use_sinks)
             for w in layer_attention(self.model, params, tokens[:DIAGNOSTIC_EXAMPLES])
         ]
         repeat = self.seq_len // 2  # induction: a random sequence of this length, then again

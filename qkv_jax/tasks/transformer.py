@@ -3,10 +3,15 @@
 The `model` section's fields are `qkv_jax.TransformerConfig`'s, by name (a
 dtype by its name, e.g. "bfloat16"; lora_targets comma-separated; window as
 comma-separated ints and "full", e.g. "64,full"; normalize_qk "none",
-"layernorm" or "rms"), so a new
-model option is a field of TransformerConfig and of
-`configs/common.py:transformer`, and nothing here. TransformerConfig checks
-its own fields where it is built; `make_model` turns its ValueError into the
+"layernorm", "rms" or "rms_offset"; rope_scaling as "kind,factor" and its
+other numbers by name, e.g. "llama3,8,original_max_len=8192"); an unset
+(None) field takes TransformerConfig's default. `model_fields` lists them
+from `dataclasses.fields(TransformerConfig)`, and `configs/common.py:transformer`
+adds every field it does not spell out as an unset placeholder, so a new
+model option is a field of TransformerConfig and nothing here. The renamed
+fields' old names (`model.sinks`, `model.dropout_rate`) still work, with a
+DeprecationWarning naming the new one. TransformerConfig checks its own
+fields where it is built; `make_model` turns its ValueError into the
 one-line ConfigError naming `model.<field>`.
 """
 
@@ -14,19 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from qkv_jax.diagnostics import collect_attention_weights
-from qkv_jax.lm import TransformerConfig, TransformerLM
+from qkv_jax.lm import RENAMED_FIELDS, TransformerConfig, TransformerLM
+from qkv_jax.positions import RopeScaling
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
     "PRECISIONS",
     "NORMALIZE_QK",
+    "model_fields",
     "parse_window",
+    "parse_rope_scaling",
     "transformer_config",
     "make_model",
     "check_sequence_length",
@@ -39,10 +48,14 @@ __all__ = [
 ]
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(TransformerConfig))
+# A field's annotation's leading type -> the type of its command-line placeholder (others: str).
+_PLACEHOLDER_TYPES = {"bool": bool, "int": int, "float": float}
+# The fields a config spells as words or comma lists (`_parsed_words`).
+_WORDS = ("lora_targets", "window", "normalize_qk", "rope_scaling")
 # model.precision: jax.lax.Precision's names (flax's spelling).
 PRECISIONS = ("default", "high", "highest")
 # model.normalize_qk's words and TransformerConfig's values.
-NORMALIZE_QK = {"none": False, "layernorm": "layernorm", "rms": "rms"}
+NORMALIZE_QK = {"none": False, "layernorm": "layernorm", "rms": "rms", "rms_offset": "rms_offset"}
 # model.window's word for a global layer.
 GLOBAL_WINDOW = "full"
 
@@ -54,11 +67,37 @@ def _config_message(error: Exception) -> str:
     return re.sub(r"(?<![\w.])(" + "|".join(_FIELDS) + r")(?==)", r"model.\1", text)
 
 
+def model_fields() -> dict[str, type]:
+    """Every field of TransformerConfig a `model` section can set (all but vocab_size, which the
+    data gives), with the type of its command-line placeholder (`config_dict.placeholder`)."""
+    return {
+        field.name: str
+        if field.name in _WORDS
+        else _PLACEHOLDER_TYPES.get(str(field.type).split(" | ")[0], str)
+        for field in dataclasses.fields(TransformerConfig)
+        if field.name != "vocab_size"
+    }
+
+
+def _renamed(model_config: dict) -> dict:
+    """`model_config` with each old field name of `RENAMED_FIELDS` that is set moved to its new
+    name, with a DeprecationWarning naming it."""
+    model_config = dict(model_config)
+    for old, new in RENAMED_FIELDS.items():
+        value = model_config.pop(old, None)
+        if value is not None:
+            warnings.warn(f"model.{old} is renamed model.{new}", DeprecationWarning, stacklevel=3)
+            model_config[new] = value
+    return model_config
+
+
 def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerConfig:
     """The TransformerConfig a config's `model` section describes (fields by name; others are
-    left out). `overrides`, e.g. `causal=True`, replace fields. ConfigError naming the field
-    when TransformerConfig refuses a value."""
-    fields = {name: value for name, value in model_config.items() if name in _FIELDS}
+    left out, unset ones take TransformerConfig's default). `overrides`, e.g. `causal=True`,
+    replace fields. ConfigError naming the field when TransformerConfig refuses a value."""
+    fields = {
+        name: value for name, value in _renamed(model_config).items() if name in _FIELDS and value is not None
+    }
     try:
         for name in ("dtype", "param_dtype"):
             if isinstance(fields.get(name), str):
@@ -85,6 +124,8 @@ def _parsed_words(fields: dict) -> dict:
         parsed["lora_targets"] = tuple(t.strip() for t in fields["lora_targets"].split(",") if t.strip())
     if isinstance(fields.get("window"), str):
         parsed["window"] = parse_window(fields["window"])
+    if isinstance(fields.get("rope_scaling"), str):
+        parsed["rope_scaling"] = parse_rope_scaling(fields["rope_scaling"])
     normalize_qk = fields.get("normalize_qk")
     if isinstance(normalize_qk, str):
         if normalize_qk not in NORMALIZE_QK:
@@ -107,6 +148,36 @@ def parse_window(text: str) -> int | tuple[int | None, ...] | None:
         )
     windows = tuple(None if entry == GLOBAL_WINDOW else int(entry) for entry in entries)
     return windows[0] if len(windows) == 1 else windows
+
+
+def parse_rope_scaling(text: str) -> RopeScaling:
+    """model.rope_scaling: "kind,factor" and RopeScaling's other fields by name, e.g. "linear,2",
+    "llama3,8,original_max_len=8192,low_freq_factor=1,high_freq_factor=4", "yarn,4,
+    original_max_len=4096". ConfigError naming the field for anything else."""
+    kind, _, rest = text.partition(",")
+    factor, *named = [entry.strip() for entry in rest.split(",")] if rest else [""]
+    fields = {field.name: field.type for field in dataclasses.fields(RopeScaling)}
+    try:
+        values: dict[str, Any] = {"kind": kind.strip(), "factor": float(factor)}
+        for entry in named:
+            name, _, value = entry.partition("=")
+            name = name.strip()
+            if name not in fields or name in values:
+                raise ValueError(f"unknown or repeated field {name!r}")
+            kinds = str(fields[name])
+            values[name] = (
+                value.strip() in ("true", "True", "1")
+                if kinds.startswith("bool")
+                else int(value)
+                if kinds.startswith("int")
+                else float(value)
+            )
+        return RopeScaling(**values)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(
+            f"model.rope_scaling={text!r}: expected 'kind,factor' and RopeScaling's other fields by name, "
+            f"e.g. 'llama3,8,original_max_len=8192' ({re.sub(r'^RopeScaling: ', '', str(error))})"
+        ) from None
 
 
 def make_model(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerLM:

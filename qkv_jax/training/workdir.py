@@ -32,6 +32,7 @@ from typing import IO, Any
 import numpy as np
 from absl import logging
 
+from qkv_jax.lm import RENAMED_FIELDS
 from qkv_jax.training.tensorboard import EventWriter
 from qkv_jax.training.validate import ConfigError
 
@@ -279,8 +280,9 @@ def differences(saved: dict, current: dict, ignored: Sequence[str] = ()) -> list
     `ignored` ones (a name, or a prefix ending in '.' for a whole section). A field the workdir's
     config lacks matches an unset (None) one here: the run was saved before the field existed,
     and an unset optional field means what its absence meant (so a release that adds an
-    optional field still resumes the runs written before it)."""
-    saved_flat, current_flat = flatten(saved), flatten(current)
+    optional field still resumes the runs written before it). A workdir written before a model
+    field was renamed (`qkv_jax.lm.RENAMED_FIELDS`) has its value under the new name."""
+    saved_flat, current_flat = _renamed(flatten(saved)), flatten(current)
     changed = []
     for field in sorted(set(saved_flat) | set(current_flat)):
         if any(field == f or (f.endswith(".") and field.startswith(f)) for f in ignored):
@@ -293,6 +295,16 @@ def differences(saved: dict, current: dict, ignored: Sequence[str] = ()) -> list
                 f"{saved_flat.get(field, '<absent>')!r} in the workdir"
             )
     return changed
+
+
+def _renamed(flat: dict) -> dict:
+    """`flat` with each old `model.<field>` of RENAMED_FIELDS under its new name, where the
+    config lacks the new one (a run saved before the rename)."""
+    flat = dict(flat)
+    for old, new in RENAMED_FIELDS.items():
+        if f"model.{old}" in flat and f"model.{new}" not in flat:
+            flat[f"model.{new}"] = flat.pop(f"model.{old}")
+    return flat
 
 
 def check_workdir_path(workdir: str | pathlib.Path) -> None:

@@ -20,7 +20,7 @@ Ported from google/flax, tests/nnx/nn/attention_test.py at commit
 installed flax 0.12.8's. Only the call sites changed: `nnx.MultiHeadAttention` ->
 `qkv_jax.nnx.MultiHeadAttention`, `linen.MultiHeadDotProductAttention` ->
 `qkv_jax.MultiHeadDotProductAttention` (the linen twin the nnx module must agree with) and
-`nnx.dot_product_attention` -> `qkv_jax.nnx.dot_product_attention` (qkv_jax's
+`nnx.dot_product_attention` -> `qkv_jax.nnx.flax_dot_product_attention` (qkv_jax's
 attention_fn with flax's signature); every assertion and tolerance is flax's. The code keeps
 flax's formatting so that it diffs line by line against the source, hence no ruff here.
 
@@ -207,7 +207,7 @@ class TestMultiHeadAttention(parameterized.TestCase):
     manual_mask = combine_masks(padding_mask, causal_mask, dtype=q.dtype)
 
     # Jax.nn path with precombined mask and is_causal = False
-    attn_jax = qkv_jax.nnx.dot_product_attention(
+    attn_jax = qkv_jax.nnx.flax_dot_product_attention(
       query=q,
       key=k,
       value=v,
@@ -223,7 +223,7 @@ class TestMultiHeadAttention(parameterized.TestCase):
     # nnx path with padding mask and is_causal = True (internally combines them)
     dummy = DummyModule()
     def _run(m):
-      return qkv_jax.nnx.dot_product_attention(
+      return qkv_jax.nnx.flax_dot_product_attention(
         query=q,
         key=k,
         value=v,
@@ -341,7 +341,7 @@ class TestGQADotProductAttention(parameterized.TestCase):
     key   = jax.random.normal(k2, (B, S, num_heads_kv, D))
     value = jax.random.normal(k3, (B, S, num_heads_kv, D))
 
-    output = qkv_jax.nnx.dot_product_attention(query, key, value)
+    output = qkv_jax.nnx.flax_dot_product_attention(query, key, value)
     expected_shape = (B, T, num_heads_q, D)
     self.assertEqual(output.shape, expected_shape)
 
@@ -353,7 +353,7 @@ class TestGQADotProductAttention(parameterized.TestCase):
     value = key
 
     with self.assertRaisesRegex(ValueError, "must be a multiple"):
-        qkv_jax.nnx.dot_product_attention(query, key, value)
+        qkv_jax.nnx.flax_dot_product_attention(query, key, value)
 
   def test_gqa_multihead_attention(self):
     in_feat = 128
@@ -407,7 +407,7 @@ class TestGQADotProductAttention(parameterized.TestCase):
 
     # NNX should handle broadcasting internally
     def _run(m):
-      return qkv_jax.nnx.dot_product_attention(query, key, value, module=m)
+      return qkv_jax.nnx.flax_dot_product_attention(query, key, value, module=m)
     nnx_out, _ = nnx.capture(_run, nnx.Intermediate)(dummy_module)
 
     np.testing.assert_allclose(nnx_out, jax_out, atol=1e-3, rtol=1e-3)
@@ -427,7 +427,7 @@ class TestDotProductAttentionValidation(parameterized.TestCase):
     k = jnp.ones(k_shape)
     v = jnp.ones(v_shape)
     with self.assertRaisesRegex(ValueError, match):
-      qkv_jax.nnx.dot_product_attention(q, k, v, dropout_rate=0.1,
+      qkv_jax.nnx.flax_dot_product_attention(q, k, v, dropout_rate=0.1,
                                 dropout_rng=jax.random.key(0))
 
 

@@ -36,16 +36,16 @@ import numpy as np
 
 from qkv_jax.diagnostics import induction_scores, repeated_sequence
 from qkv_jax.lm import TransformerLM
-from qkv_jax.studies.grid import apply_overrides, grid
-from qkv_jax.studies.mechanisms import FORMED, PROBE_BATCHES, projection_norm, thermostat_probe
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.sinks import FIRST_QUERY, SOFT_CAP, head_measures
-from qkv_jax.studies.stats import format_interval, interval_errors, pair_with_reference
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import answer_metrics, repeat_batch
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
+from studies.grid import apply_overrides, grid
+from studies.mechanisms import FORMED, PROBE_BATCHES, projection_norm, thermostat_probe
+from studies.results import Study
+from studies.sinks import FIRST_QUERY, SOFT_CAP, head_measures
+from studies.stats import format_interval, interval_errors, pair_with_reference
+from studies.sweep import run_sweep
 
 __all__ = [
     "CONVERGED",

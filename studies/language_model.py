@@ -26,14 +26,14 @@ import jax
 import numpy as np
 
 from qkv_jax.lm import TransformerLM, generate, kv_cache_bytes_per_token
-from qkv_jax.studies.grid import apply_overrides
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import mean_interval, paired_difference
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import make_model
 from qkv_jax.training.run import train_and_evaluate
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_metrics
+from studies.grid import apply_overrides
+from studies.results import Study
+from studies.stats import mean_interval, paired_difference
+from studies.sweep import run_sweep
 
 __all__ = [
     "STUDIES",

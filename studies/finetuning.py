@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from qkv_jax import text
-from qkv_jax.studies.grid import apply_overrides
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import interval_errors, mean_interval, paired_difference
 from qkv_jax.training.run import train_and_evaluate
+from studies.grid import apply_overrides
+from studies.results import Study
+from studies.stats import interval_errors, mean_interval, paired_difference
 
 __all__ = [
     "RANKS",

@@ -1,6 +1,6 @@
 """What sweeps and studies write: results files, tables, plots and explorer pages.
 
-A sweep's workdir (see `qkv_jax.studies.sweep`) gets results.json, .csv, .md and
+A sweep's workdir (see `studies.sweep`) gets results.json, .csv, .md and
 .html (`write_sweep_results`), with `<metric>_vs_<field>.png` and a heatmap;
 `report_sweep` adds loss_curves.png and an explorer page per cell. A study
 writes results.json, results.md and `<study>.png` (`write_study_results`),
@@ -20,12 +20,12 @@ import numpy as np
 
 from qkv_jax.report.explorer import format_value, swept_fields, write_sweep_page
 from qkv_jax.report.run import write_explorer_page
-from qkv_jax.studies.grid import apply_overrides, cell_name
 from qkv_jax.training.checkpoints import NoCheckpointError, read_params
 from qkv_jax.training.loop import seed_keys
 from qkv_jax.training.setup import build_setup
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import read_json, write_atomic, write_json
+from studies.grid import apply_overrides, cell_name
 
 __all__ = [
     "Study",

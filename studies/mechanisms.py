@@ -30,13 +30,13 @@ from qkv_jax.diagnostics import (
     repeated_sequence,
 )
 from qkv_jax.lm import TransformerLM
-from qkv_jax.studies.grid import apply_overrides
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import format_interval, mean_interval
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import Setup, build_setup
 from qkv_jax.training.validate import ConfigError
+from studies.grid import apply_overrides
+from studies.results import Study
+from studies.stats import format_interval, mean_interval
+from studies.sweep import run_sweep
 
 __all__ = ["THERMOSTAT_CELLS", "thermostat", "induction", "STUDIES"]
 

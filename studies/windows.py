@@ -19,13 +19,13 @@ import jax
 import numpy as np
 
 from qkv_jax.lm import TransformerLM, kv_cache_bytes
-from qkv_jax.studies.grid import apply_overrides, cell_name
-from qkv_jax.studies.language_model import DECODE_BATCHES, decode_tokens_per_second
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import make_model
 from qkv_jax.training.validate import ConfigError
+from studies.grid import apply_overrides, cell_name
+from studies.language_model import DECODE_BATCHES, decode_tokens_per_second
+from studies.results import Study
+from studies.stats import format_interval, mean_interval, paired_difference
+from studies.sweep import run_sweep
 
 __all__ = ["WINDOW_CELLS", "windows"]
 

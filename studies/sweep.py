@@ -34,8 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from qkv_jax.studies.grid import apply_overrides, cell_name, grid
-from qkv_jax.studies.results import write_sweep_results
 from qkv_jax.training.preemption import Preempted, StopSignals
 from qkv_jax.training.run import train_seeds
 from qkv_jax.training.setup import TaskError, build_setup, to_dict
@@ -50,6 +48,8 @@ from qkv_jax.training.workdir import (
     write_atomic,
     write_json,
 )
+from studies.grid import apply_overrides, cell_name, grid
+from studies.results import write_sweep_results
 
 __all__ = ["LOSS_THRESHOLD", "CellsFailed", "SweepStopped", "run_sweep", "summarize"]
 

@@ -43,16 +43,16 @@ from qkv_jax.interpretability.circuits import (
 from qkv_jax.interpretability.patching import patching_sweep
 from qkv_jax.lm import TransformerLM
 from qkv_jax.models import FlagReader
-from qkv_jax.studies.grid import apply_overrides
-from qkv_jax.studies.language_model import arm_name
-from qkv_jax.studies.mechanisms import FORMED, induction_probe
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.sequences import repeat_batch
 from qkv_jax.tasks.transformer import layer_attention, make_model
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
+from studies.grid import apply_overrides
+from studies.language_model import arm_name
+from studies.mechanisms import FORMED, induction_probe
+from studies.results import Study
+from studies.stats import format_interval, mean_interval, paired_difference
+from studies.sweep import run_sweep
 
 __all__ = [
     "STUDIES",

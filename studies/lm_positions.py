@@ -7,7 +7,7 @@
                  strongest head's induction score on repeated random characters through
                  training (when it passes FORMED), each paired against RoPE.
 
-The repeat task's `positions` study (qkv_jax/studies/variants.py) asks the same of a
+The repeat task's `positions` study (studies/variants.py) asks the same of a
 synthetic task; here the text is real, so the longer windows hold the same kind of
 text as the trained ones and only the distances are new.
 """
@@ -25,21 +25,21 @@ import numpy as np
 from qkv_jax import text
 from qkv_jax.diagnostics import induction_scores, repeated_sequence
 from qkv_jax.lm import TransformerLM
-from qkv_jax.studies.grid import cell_name
-from qkv_jax.studies.mechanisms import FORMED
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import pair_with_reference
-from qkv_jax.studies.sweep import run_sweep
-from qkv_jax.studies.variants import (
+from qkv_jax.tasks.transformer import layer_attention, token_cross_entropy
+from qkv_jax.training.setup import Setup
+from qkv_jax.training.validate import ConfigError
+from studies.grid import cell_name
+from studies.mechanisms import FORMED
+from studies.results import Study
+from studies.stats import pair_with_reference
+from studies.sweep import run_sweep
+from studies.variants import (
     POSITION_CELLS,
     POSITION_REFERENCE,
     induction_measures,
     plot_positions,
     positions_table,
 )
-from qkv_jax.tasks.transformer import layer_attention, token_cross_entropy
-from qkv_jax.training.setup import Setup
-from qkv_jax.training.validate import ConfigError
 
 __all__ = ["positions_lm_probe", "positions_lm"]
 

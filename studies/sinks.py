@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qkv_jax.studies.circuits import held_out_windows
-from qkv_jax.studies.grid import cell_name
-from qkv_jax.studies.results import Study
-from qkv_jax.studies.stats import format_interval, mean_interval, paired_difference
-from qkv_jax.studies.sweep import run_sweep
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
+from studies.circuits import held_out_windows
+from studies.grid import cell_name
+from studies.results import Study
+from studies.stats import format_interval, mean_interval, paired_difference
+from studies.sweep import run_sweep
 
 __all__ = ["SINK_CELLS", "SOFT_CAP", "sink_probe", "sinks"]
 

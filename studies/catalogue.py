@@ -1,13 +1,13 @@
 """Every study the launcher runs (`python -m experiments.study NAME`), by name.
 
-Each entry is a `qkv_jax.studies.results.Study`: how it trains and measures, and
+Each entry is a `studies.results.Study`: how it trains and measures, and
 the table and plot of its results. docs/experiments.md shows each one's results
 with the command that regenerates them.
 """
 
 from __future__ import annotations
 
-from qkv_jax.studies import (
+from studies import (
     circuits,
     finetuning,
     language_model,
@@ -17,7 +17,7 @@ from qkv_jax.studies import (
     variants,
     windows,
 )
-from qkv_jax.studies.results import Study
+from studies.results import Study
 
 __all__ = ["STUDIES"]
 

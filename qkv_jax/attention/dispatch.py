@@ -1,0 +1,236 @@
+"""Which path computes a call: what each path supports (one table), the automatic choice, and
+the check of an explicit choice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qkv_jax.attention.jax_nn import cudnn_applies
+from qkv_jax.attention.options import CallOptions, check_soft_cap
+from qkv_jax.attention.visibility import is_int, window_pair
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "FEATURES",
+    "SUPPORTED",
+    "CHUNKED_MIN_KEYS",
+    "check_supported",
+    "select_implementation",
+]
+
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked")
+# The arguments of dot_product_attention beyond query, key and value, by their keyword names.
+FEATURES = (
+    "bias",
+    "mask",
+    "scale",
+    "is_causal",
+    "query_seq_lengths",
+    "key_value_seq_lengths",
+    "local_window_size",
+    "return_residual",
+    "query_offset",
+    "query_segment_ids",
+    "key_segment_ids",
+    "logits_soft_cap",
+    "sinks",
+    "dropout_rate",
+    "return_weights",
+    "precision",
+)
+# What each implementation computes: a call using any other feature cannot run there. jax.nn
+# has neither a soft cap nor sinks; only the reference path materialises the attention
+# weights, so only it returns them or drops them out.
+SUPPORTED: dict[str, frozenset[str]] = {
+    "reference": frozenset(FEATURES),
+    "chunked": frozenset(FEATURES) - {"dropout_rate", "return_weights"},
+    "xla": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
+    "cudnn": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
+}
+# Supported on "cudnn", but not chosen for it automatically: that cuDNN's window and its
+# top-left alignment for T != S mean the same as here is checked on a GPU by
+# benchmarks/gpu_check.sh, to be run before the rule sends them there.
+_NOT_YET_AUTOMATIC_ON_CUDNN = frozenset(("local_window_size", "query_segment_ids", "key_segment_ids"))
+# From this many keys on, "chunked"; below, "reference" on CPU (forward-mode differentiable)
+# and "xla" on accelerators. See select_implementation.
+CHUNKED_MIN_KEYS = 64
+
+# How a path that lacks a feature says so.
+_LACKS = {
+    "return_weights": "cannot return attention weights",
+    "dropout_rate": "does not implement dropout",
+}
+
+
+def _unknown(owner: str, argument: str, implementation: Any) -> ValueError:
+    return ValueError(
+        f"{owner}: {argument} must be None or one of {', '.join(IMPLEMENTATIONS)} (None: "
+        f"the dispatch rule), got {implementation!r}"
+    )
+
+
+def check_supported(
+    owner: str,
+    implementation: Any,
+    features: Mapping[str, str] | Iterable[str],
+    *,
+    argument: str = "implementation",
+) -> None:
+    """ValueError naming `owner`, the implementation and a feature unless `implementation` is
+    None (the dispatch rule, which picks a path that takes them) or one of `IMPLEMENTATIONS`
+    that takes every one of `features` (`SUPPORTED`).
+
+    `features`: keyword names of `dot_product_attention` the caller will use; a mapping
+    from those names to how the caller's own settings spell them (e.g.
+    `{"sinks": "use_sinks=True"}`), which the message quotes. `argument`: the caller's
+    name of the implementation setting (a module's `attention_implementation`).
+    """
+    if implementation is None:
+        return
+    if implementation not in IMPLEMENTATIONS:
+        raise _unknown(owner, argument, implementation)
+    spelled = dict(features) if isinstance(features, Mapping) else {name: name for name in features}
+    unknown = sorted(set(spelled) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"check_supported: {unknown} are not arguments of dot_product_attention")
+    missing = [name for name in FEATURES if name in spelled and name not in SUPPORTED[implementation]]
+    if missing:
+        feature = missing[0]
+        takers = " or ".join(repr(name) for name in IMPLEMENTATIONS if feature in SUPPORTED[name])
+        lacks = _LACKS.get(feature, f"has no {feature}")
+        raise ValueError(
+            f"{owner}: {argument}={implementation!r} {lacks} ({spelled[feature]}): use {takers}, "
+            "or None (the dispatch rule)"
+        )
+
+
+def _shape_refusal(implementation: str, query, key, value) -> str | None:
+    """Why `implementation` cannot take these arrays (beyond `SUPPORTED`), or None."""
+    if implementation == "xla":
+        H, Hv = key.shape[-1], value.shape[-1]
+        if H != Hv:
+            return f"needs value depth Hv equal to key depth H (jax.nn), got Hv={Hv} and H={H}"
+        if jnp.result_type(query, key, value) == jnp.float64:
+            return "computes the softmax in float32 (jax.nn), so it cannot serve float64 inputs"
+    return None
+
+
+def check_call(implementation: Any, query, key, value, features: Mapping[str, str]) -> None:
+    """`check_supported` for one `dot_product_attention` call, and the arrays' limits."""
+    check_supported("dot_product_attention", implementation, features)
+    reason = _shape_refusal(implementation, query, key, value)
+    if reason is not None:
+        raise ValueError(f"dot_product_attention: implementation={implementation!r} {reason}")
+
+
+def call_features(options: CallOptions, arrays: Mapping[str, Any]) -> dict[str, str]:
+    """The features a call uses, as keyword names mapped to how the call spells them (for the
+    messages): the static options that are on, and the `arrays` (keyword -> array or None)
+    that are given."""
+    statics = dict(
+        is_causal=options.is_causal or None,
+        local_window_size=options.window,
+        query_offset=options.offset or None,  # None: 0, or an array (in `arrays`)
+        logits_soft_cap=options.soft_cap,
+        dropout_rate=options.dropout_rate or None,
+        return_weights=options.return_weights or None,
+    )
+    used = {name: f"{name}={value!r}" for name, value in statics.items() if value is not None}
+    used.update({name: f"{name} given" for name, x in arrays.items() if x is not None})
+    return used
+
+
+def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
+    """The rule of `select_implementation` for a call using `features` (keyword names)."""
+    used = frozenset(features)
+    takes = {name: used <= SUPPORTED[name] for name in IMPLEMENTATIONS}
+    has_bias = bool(used & {"bias", "mask"}) or used >= {"is_causal", "query_offset"}
+    if (
+        takes["cudnn"]
+        and not used & _NOT_YET_AUTOMATIC_ON_CUDNN
+        and cudnn_applies(query, key, value, has_bias, platform)
+    ):
+        return "cudnn"
+    if takes["chunked"] and key.shape[-3] >= CHUNKED_MIN_KEYS:
+        return "chunked"
+    if platform != "cpu" and takes["xla"] and _shape_refusal("xla", query, key, value) is None:
+        return "xla"
+    return "reference"
+
+
+def select_implementation(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    is_causal: bool = False,
+    local_window_size: Any = None,
+    query_offset: Any = None,
+    query_segment_ids: Any = None,
+    key_segment_ids: Any = None,
+    logits_soft_cap: Any = None,
+    sinks: Any = None,
+    dropout_rate: float = 0.0,
+    return_weights: bool = False,
+    platform: str | None = None,
+) -> str:
+    """The path `dot_product_attention(..., implementation=None)` takes.
+
+    Arguments as for `dot_product_attention`; arrays need only `.shape` and
+    `.dtype` (`jax.ShapeDtypeStruct` will do), and of the optional ones only
+    whether they are given matters (and of `query_offset` whether it is a
+    static 0; sequence lengths, `scale`, `return_residual` and `precision` do
+    not change the path). `platform` defaults to `jax.default_backend()`. The
+    rule takes the first of these paths that supports every feature of the
+    call (`SUPPORTED`):
+
+    1. On a GPU where cuDNN's fused kernel applies: "cudnn". That is bf16/fp16
+       with H = Hv a multiple of 8 up to 128, with or without causal masking
+       and lengths; a mask, a bias or causal with a query offset (all passed
+       to cuDNN as one additive bias `[batch, N|1, T, S]`) need even T and S.
+       Padding given as lengths costs no bias. Not (yet) with a local window
+       or segment ids: cuDNN takes a window and could take segments as a
+       bias, but that its window and its top-left alignment for T != S mean
+       the same as here has not been checked on a GPU
+       (benchmarks/gpu_check.sh compares both with the reference, to be run
+       before this rule sends them there); they go on.
+    2. At least `CHUNKED_MIN_KEYS` keys: "chunked". On CPU it is the fastest
+       path from there on, forward and backward, and its tiles keep every
+       buffer a call allocates small, under glibc's mmap threshold, where
+       pages do not fault in afresh on every call; with a window or segment
+       ids it skips the tiles they rule out.
+    3. On accelerators, "xla" (H = Hv, not float64).
+    4. "reference": on CPU below `CHUNKED_MIN_KEYS` keys, the one path that is
+       also forward-mode differentiable, and the only one that returns
+       weights or applies dropout.
+
+    The measurements behind steps 1 to 3 are in docs/benchmarks.md, each
+    beside its command: `python benchmarks/attention.py --library-user` and
+    `--window` on CPU, benchmarks/gpu.sh on a GPU; benchmarks/gpu_check.sh
+    checks every case of step 1 against the reference on the GPU.
+    """
+    offset = query_offset if query_offset is None or is_int(query_offset) else None
+    options = CallOptions(
+        is_causal=bool(is_causal),
+        window=window_pair(local_window_size, "select_implementation"),
+        offset=offset,
+        soft_cap=check_soft_cap("select_implementation", logits_soft_cap),
+        dropout_rate=dropout_rate,
+        return_weights=bool(return_weights),
+    )
+    arrays = dict(
+        bias=bias,
+        mask=mask,
+        query_offset=None if offset is not None or query_offset is None else query_offset,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        sinks=sinks,
+    )
+    platform = jax.default_backend() if platform is None else platform
+    return choose(query, key, value, call_features(options, arrays), platform=platform)

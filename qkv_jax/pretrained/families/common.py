@@ -1,0 +1,261 @@
+"""What the family files share: the readers they are given, activations, windows, RoPE, and the
+layouts of Hugging Face tensors against qkv_jax's.
+
+  ConfigReader     what a family reads a config.json through (`qkv_jax.pretrained.schema.HFConfig`)
+  TensorSource     what it reads tensors through (one `get(name)` at a time)
+  activation       a Hugging Face activation name -> TransformerConfig.mlp_activation
+  windows          per-layer windows from `layer_types` / `sliding_window` -> TransformerConfig.window
+  Tensor           one parameter: its linen path, its Hugging Face name and the layout between them
+  read_tensors     the tensors of a table, read one at a time, in the linen layout
+  write_tensors    the same table backwards: the Hugging Face tensors of linen parameters
+
+Layouts: a torch `nn.Linear` weight is `[out, in]`; qkv_jax's kernels are `[in, out]`, and the
+attention's are `[D, N, H]` (query/key/value, `N` heads of `H` dims) and `[N, H, D]` (out). The
+head `h` of a projection is the rows h * H ... (h + 1) * H - 1 of the torch weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from qkv_jax.lm import TransformerConfig, layer_windows
+from qkv_jax.positions import RopeScaling
+
+__all__ = [
+    "ConfigReader",
+    "TensorSource",
+    "ACTIVATIONS",
+    "activation",
+    "hf_activation",
+    "windows",
+    "layer_types",
+    "Tensor",
+    "LAYOUTS",
+    "read_tensors",
+    "write_tensors",
+    "array",
+    "rope_parameters",
+]
+
+
+class ConfigReader(Protocol):
+    """A config.json being read (`qkv_jax.pretrained.schema.HFConfig`): each field read is
+    recorded, and the loader refuses the fields nobody read."""
+
+    model_type: str
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def get(self, name: str, default: Any = None) -> Any: ...
+
+    def require(self, name: str) -> Any: ...
+
+    def accept(self, name: str, *values: Any) -> Any: ...
+
+    def refuse(self, name: str, value: Any, why: str) -> Any: ...
+
+    def rope(
+        self, kinds: tuple[str, ...] = ("full_attention",), default_base: float = 10000.0
+    ) -> Mapping[str, tuple[float, RopeScaling | None]]: ...
+
+    def rope_fraction(self, *legacy_names: str) -> float: ...
+
+
+class TensorSource(Protocol):
+    """The tensors of a checkpoint (`qkv_jax.pretrained.checkpoint.TensorSource`), read one at a
+    time by name; `skip` marks a stored tensor as deliberately unused."""
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def skip(self, name: str) -> None: ...
+
+
+# Hugging Face's activation names (transformers' ACT2FN) -> TransformerConfig.mlp_activation.
+ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
+# The name each family writes for an mlp_activation.
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "silu": "silu", "relu": "relu"}
+
+
+def activation(hf: ConfigReader, field: str, default: str) -> str:
+    """TransformerConfig.mlp_activation of the Hugging Face activation `field` (absent: `default`,
+    the family's); ValueError naming the field for one qkv_jax does not compute."""
+    return ACTIVATIONS[hf.accept(field, default, *(name for name in ACTIVATIONS if name != default))]
+
+
+def hf_activation(config: TransformerConfig) -> str:
+    """The Hugging Face name of `config.mlp_activation`."""
+    return HF_ACTIVATIONS[config.mlp_activation]
+
+
+def windows(types: Iterable[str], sliding_window: int | None) -> int | tuple[int | None, ...] | None:
+    """TransformerConfig.window for layers of Hugging Face `types` ("sliding_attention" or
+    "full_attention" each; a sliding layer sees `sliding_window` keys, itself included): None
+    when no layer is windowed, the int when every layer is, else the tuple over the layers."""
+    per_layer = tuple(sliding_window if kind == "sliding_attention" else None for kind in types)
+    if all(w is None for w in per_layer):
+        return None
+    if len(set(per_layer)) == 1:
+        return per_layer[0]
+    return per_layer
+
+
+def layer_types(config: TransformerConfig) -> list[str]:
+    """Hugging Face's `layer_types` of `config`'s windows."""
+    return ["full_attention" if w is None else "sliding_attention" for w in layer_windows(config)]
+
+
+def sliding_window(config: TransformerConfig) -> int | None:
+    """The one window of `config`'s windowed layers (None: none); ValueError when they differ, which
+    Hugging Face's configs cannot say."""
+    sizes = {w for w in layer_windows(config) if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"save_pretrained: window={config.window!r} has windows of {sorted(sizes)} keys; Hugging Face "
+            "configs hold one sliding_window"
+        )
+    return sizes.pop() if sizes else None
+
+
+def rope_parameters(base: float, scaling: RopeScaling | None, fraction: float = 1.0) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` dict of one RoPE (base, scaling, rotary fraction)."""
+    parameters: dict[str, Any] = {
+        "rope_type": "default" if scaling is None else scaling.kind,
+        "rope_theta": base,
+    }
+    if fraction != 1.0:
+        parameters["partial_rotary_factor"] = fraction
+    if scaling is None:
+        return parameters
+    parameters["factor"] = scaling.factor
+    if scaling.kind == "llama3":
+        parameters["low_freq_factor"] = scaling.low_freq_factor
+        parameters["high_freq_factor"] = scaling.high_freq_factor
+    if scaling.kind == "yarn":
+        parameters["beta_fast"] = scaling.beta_fast
+        parameters["beta_slow"] = scaling.beta_slow
+        parameters["truncate"] = scaling.truncate
+        if scaling.attention_factor is not None:
+            parameters["attention_factor"] = scaling.attention_factor
+    if scaling.kind != "linear":
+        parameters["original_max_position_embeddings"] = scaling.original_max_len
+    return parameters
+
+
+# ---------------------------------------------------------------------------------- tensor layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a Hugging Face tensor becomes a linen parameter (`load`) and back (`save`), given the
+    number of heads of the projection (None where no heads are involved)."""
+
+    load: Callable[[np.ndarray, int], np.ndarray]
+    save: Callable[[np.ndarray, int], np.ndarray]
+
+
+def _heads_in(weight: np.ndarray, heads: int) -> np.ndarray:
+    """torch `[N*H, D]` -> `[D, N, H]`."""
+    return weight.reshape(heads, -1, weight.shape[-1]).transpose(2, 0, 1)  # (D, N, H)
+
+
+def _heads_in_back(kernel: np.ndarray, heads: int) -> np.ndarray:
+    """`[D, N, H]` -> torch `[N*H, D]`."""
+    return kernel.reshape(kernel.shape[0], -1).T  # (N*H, D)
+
+
+def _heads_out(weight: np.ndarray, heads: int) -> np.ndarray:
+    """torch `[D, N*H]` -> `[N, H, D]`."""
+    return weight.T.reshape(heads, -1, weight.shape[0])  # (N, H, D)
+
+
+def _heads_out_back(kernel: np.ndarray, heads: int) -> np.ndarray:
+    """`[N, H, D]` -> torch `[D, N*H]`."""
+    return kernel.reshape(-1, kernel.shape[-1]).T  # (D, N*H)
+
+
+LAYOUTS = {
+    "copy": Layout(lambda x, _: x, lambda x, _: x),  # embeddings, norm gains, MLP/out biases
+    "linear": Layout(lambda w, _: w.T, lambda k, _: k.T),  # torch [out, in] <-> kernel [in, out]
+    "conv1d": Layout(lambda w, _: w, lambda k, _: k),  # GPT-2's Conv1D: already [in, out]
+    "heads_in": Layout(_heads_in, _heads_in_back),  # q/k/v weight [N*H, D] <-> [D, N, H]
+    "heads_bias": Layout(lambda b, n: b.reshape(n, -1), lambda b, _: b.reshape(-1)),  # [N*H] <-> [N, H]
+    "heads_out": Layout(_heads_out, _heads_out_back),  # o_proj weight [D, N*H] <-> [N, H, D]
+    # GPT-2's Conv1D c_proj [N*H, D] <-> [N, H, D]
+    "conv1d_heads_out": Layout(
+        lambda w, n: w.reshape(n, -1, w.shape[-1]), lambda k, _: k.reshape(-1, k.shape[-1])
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One parameter: its linen path ("block_0/attention/query/kernel"), its Hugging Face tensor
+    name, the `LAYOUTS` entry between them and the heads its projection has."""
+
+    path: str
+    name: str
+    layout: str = "copy"
+    heads: int = 0
+
+
+def read_tensors(table: Iterable[Tensor], tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
+    """(linen path, array in the linen layout) for each entry of `table`, one tensor at a time."""
+    for entry in table:
+        yield (
+            entry.path,
+            np.ascontiguousarray(LAYOUTS[entry.layout].load(tensors.get(entry.name), entry.heads)),
+        )
+
+
+def array(params: Mapping[str, Any], path: str) -> np.ndarray:
+    """The linen parameter at `path` ("block_0/attention/query/kernel") of a nested params tree."""
+    node: Any = params
+    for key in path.split("/"):
+        node = node[key]
+    return np.asarray(node)
+
+
+def write_tensors(table: Iterable[Tensor], params: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """(Hugging Face name, contiguous array in its layout) for each entry of `table`."""
+    for entry in table:
+        yield (
+            entry.name,
+            np.ascontiguousarray(LAYOUTS[entry.layout].save(array(params, entry.path), entry.heads)),
+        )
+
+
+def norm_tensors(path: str, name: str, with_bias: bool) -> list[Tensor]:
+    """A norm's gain (`scale` <- `weight`), and its bias."""
+    table = [Tensor(f"{path}/scale", f"{name}.weight")]
+    return table + [Tensor(f"{path}/bias", f"{name}.bias")] if with_bias else table
+
+
+def dense_tensors(
+    path: str, name: str, with_bias: bool, layout: str = "linear", heads: int = 0
+) -> list[Tensor]:
+    """A projection's kernel (`kernel` <- `weight` in `layout`) and its bias (in heads for the
+    query/key/value projections)."""
+    table = [Tensor(f"{path}/kernel", f"{name}.weight", layout, heads)]
+    if not with_bias:
+        return table
+    return table + [
+        Tensor(f"{path}/bias", f"{name}.bias", "heads_bias" if layout == "heads_in" else "copy", heads)
+    ]
+
+
+def kv_heads(config: TransformerConfig) -> int:
+    """The key/value heads of `config`."""
+    return config.num_kv_heads or config.num_heads

@@ -1,0 +1,158 @@
+"""GPT-NeoX and Pythia: LayerNorm blocks with the attention and the MLP in parallel
+(`use_parallel_residual`: x + attn(ln1(x)) + mlp(ln2(x))), an exact-GELU MLP, RoPE on the
+leading `rotary_pct` of each head (rotate-half pairing) and an untied head.
+
+Tensors (`GPTNeoXForCausalLM.save_pretrained`): `gpt_neox.embed_in`, per layer
+`gpt_neox.layers.{i}.input_layernorm`, `attention.query_key_value` (one torch weight
+`[3 N H, D]` whose rows are, head by head, that head's query, key and value: `[N, 3, H, D]`),
+`attention.dense`, `post_attention_layernorm`, `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`, then
+`gpt_neox.final_layer_norm` and `embed_out`; old checkpoints' buffers `attention.bias`,
+`attention.masked_bias` and `attention.rotary_emb.inv_freq` are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from qkv_jax.lm import TransformerConfig
+from qkv_jax.pretrained.families.common import (
+    ConfigReader,
+    Tensor,
+    TensorSource,
+    activation,
+    array,
+    dense_tensors,
+    hf_activation,
+    norm_tensors,
+    read_tensors,
+    rope_parameters,
+    write_tensors,
+)
+
+MODEL_TYPES = ("gpt_neox",)
+BUFFERS = ("bias", "masked_bias", "rotary_emb.inv_freq")
+DEFAULT_FRACTION = 0.25  # transformers' rotary_pct when a config gives none
+
+
+def _rope_dict(hf: ConfigReader) -> dict[str, Any]:
+    """transformers 5's flat `rope_parameters` (empty when absent or nested)."""
+    parameters = hf.get("rope_parameters")
+    return parameters if isinstance(parameters, dict) else {}
+
+
+def to_config(hf: ConfigReader) -> TransformerConfig:
+    """The TransformerConfig of a GPT-NeoX config.json."""
+    base, scaling = hf.rope(default_base=hf.get("rotary_emb_base", 10000.0))["full_attention"]
+    given = "rotary_pct" in hf or "partial_rotary_factor" in hf or "partial_rotary_factor" in _rope_dict(hf)
+    fraction = hf.rope_fraction("rotary_pct") if given else DEFAULT_FRACTION
+    bias = hf.accept("attention_bias", True, False)
+    hf.get("classifier_dropout")  # the classification heads', not the language model's
+    hf.get("is_decoder")
+    return TransformerConfig(
+        vocab_size=hf.require("vocab_size"),
+        num_layers=hf.require("num_hidden_layers"),
+        d_model=hf.require("hidden_size"),
+        num_heads=hf.require("num_attention_heads"),
+        mlp_dim=hf.require("intermediate_size"),
+        max_len=hf.get("max_position_embeddings", 2048),
+        positions="rope",
+        rope_base=base,
+        rope_scaling=scaling,
+        rope_fraction=fraction,
+        norm="layernorm",
+        norm_epsilon=hf.get("layer_norm_eps", 1e-5),
+        parallel_block=hf.accept("use_parallel_residual", True, False),
+        mlp_activation=activation(hf, "hidden_act", "gelu"),
+        qkv_bias=bias,
+        out_bias=bias,
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        attention_dropout_rate=hf.get("attention_dropout", 0.0),
+        residual_dropout_rate=hf.get("hidden_dropout", 0.0),
+    )
+
+
+def _tensors(config: TransformerConfig) -> list[Tensor]:
+    """Every parameter but the fused query/key/value, with its Hugging Face name and layout."""
+    table = [Tensor("token_embedding/embedding", "gpt_neox.embed_in.weight")]
+    for i in range(config.num_layers):
+        block, layer = f"block_{i}", f"gpt_neox.layers.{i}"
+        table += norm_tensors(f"{block}/attention_norm", f"{layer}.input_layernorm", True)
+        table += dense_tensors(
+            f"{block}/attention/out",
+            f"{layer}.attention.dense",
+            config.out_bias,
+            "heads_out",
+            config.num_heads,
+        )
+        table += norm_tensors(f"{block}/mlp_norm", f"{layer}.post_attention_layernorm", True)
+        table += dense_tensors(f"{block}/mlp_in", f"{layer}.mlp.dense_h_to_4h", config.mlp_bias)
+        table += dense_tensors(f"{block}/mlp_out", f"{layer}.mlp.dense_4h_to_h", config.mlp_bias)
+    table += norm_tensors("final_norm", "gpt_neox.final_layer_norm", True)
+    return table if config.tie_embeddings else [*table, Tensor("head/kernel", "embed_out.weight", "linear")]
+
+
+def from_hf(config: TransformerConfig, tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
+    """The linen parameters of a GPT-NeoX checkpoint."""
+    N = config.num_heads
+    for name in [
+        f"gpt_neox.layers.{i}.attention.{buffer}" for i in range(config.num_layers) for buffer in BUFFERS
+    ]:
+        if tensors.has(name):
+            tensors.skip(name)
+    if config.tie_embeddings and tensors.has("embed_out.weight"):
+        tensors.skip("embed_out.weight")
+    yield from read_tensors(_tensors(config), tensors)
+    for i in range(config.num_layers):
+        fused = f"gpt_neox.layers.{i}.attention.query_key_value"
+        weight = tensors.get(f"{fused}.weight")
+        weight = weight.reshape(N, 3, -1, weight.shape[-1])  # (N, 3, H, D)
+        bias = tensors.get(f"{fused}.bias").reshape(N, 3, -1) if config.qkv_bias else None  # (N, 3, H)
+        for part, name in enumerate(("query", "key", "value")):
+            yield f"block_{i}/attention/{name}/kernel", weight[:, part].transpose(2, 0, 1)  # (D, N, H)
+            if bias is not None:
+                yield f"block_{i}/attention/{name}/bias", bias[:, part]  # (N, H)
+
+
+def to_hf(config: TransformerConfig, params: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors of a GPT-NeoX-shaped model."""
+    yield from write_tensors(_tensors(config), params)
+    names = ("query", "key", "value")
+    for i in range(config.num_layers):
+        fused, attention = f"gpt_neox.layers.{i}.attention.query_key_value", f"block_{i}/attention"
+        kernels = np.stack(
+            [array(params, f"{attention}/{name}/kernel") for name in names], axis=1
+        )  # (D, 3, N, H)
+        yield (
+            f"{fused}.weight",
+            np.ascontiguousarray(kernels.transpose(2, 1, 3, 0).reshape(-1, kernels.shape[0])),
+        )
+        if config.qkv_bias:
+            biases = np.stack(
+                [array(params, f"{attention}/{name}/bias") for name in names], axis=1
+            )  # (N, 3, H)
+            yield f"{fused}.bias", biases.reshape(-1)
+
+
+def hf_config(config: TransformerConfig) -> dict[str, Any]:
+    """The config.json of `config` as GPT-NeoX."""
+    return dict(
+        model_type="gpt_neox",
+        architectures=["GPTNeoXForCausalLM"],
+        vocab_size=config.vocab_size,
+        num_hidden_layers=config.num_layers,
+        hidden_size=config.d_model,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.mlp_dim or 4 * config.d_model,
+        max_position_embeddings=config.max_len,
+        rope_parameters=rope_parameters(config.rope_base, config.rope_scaling, config.rope_fraction),
+        layer_norm_eps=config.norm_epsilon,
+        use_parallel_residual=config.parallel_block,
+        hidden_act=hf_activation(config),
+        attention_bias=config.qkv_bias,
+        tie_word_embeddings=config.tie_embeddings,
+        attention_dropout=config.attention_dropout_rate,
+        hidden_dropout=config.residual_dropout_rate,
+    )
