@@ -12,7 +12,7 @@ dims `[..., T, ...]`, and the TransformerLM's parameters:
   head_results              each head's write to the residual stream, z W_O per head
                             `[..., T, N, D]` (TransformerLens's hook_result).
   residual_decomposition    the final residual stream as a sum of components
-                            `[C, ..., T, D]`: embed, pos_embed, then per layer each head
+                            `[C, ..., T, D]`: embed, pos_embed (learned positions), then per layer each head
                             ("L{l}H{h}"), the attention output bias ("{l}_attn_bias"),
                             the MLP ("{l}_mlp_out").
   direct_logit_attribution  each component's share of the logit of `answer` (minus that
@@ -23,6 +23,18 @@ dims `[..., T, ...]`, and the TransformerLM's parameters:
 
 The cache can come from TransformerLens's `run_with_cache` on the converted
 model (`qkv_jax.interpretability.tl`), with its tensors as NumPy arrays.
+
+`config` (the model's TransformerConfig; None: its defaults, a LayerNorm of
+eps 1e-6 and no soft cap) says which final norm the parameters hold: "layernorm",
+"rms" (x / s * gamma, no centring, no bias) or "rms_offset" (x / s * (1 + gamma)),
+its epsilon, and final_logit_soft_cap. Without it, a final norm without bias (an RMS
+kind, which one the parameters do not say) is refused. A tied head (no `head`
+parameter) reads the token embedding's transpose; `hook_embed` already carries
+embedding_scale. With a soft cap the logit lens applies it (its last row is the
+logits) and direct logit attribution's rows sum to the logit before the cap.
+Blocks with norms after their sublayers (norm_placement "post" or "sandwich")
+are refused by the decomposition: their heads' results do not add to the
+residual stream.
 """
 
 from __future__ import annotations
@@ -34,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qkv_jax.interpretability.circuits import _model_params, head_weights, num_layers
+from qkv_jax.interpretability.circuits import _model_params, head_weights, num_layers, unembedding
+from qkv_jax.norms import normalize
 
 Array = jax.Array
 
@@ -71,6 +84,30 @@ def layer_norm(x: Array, scale: Array, bias: Array) -> Array:
     return centred / std * _last_axis(scale, x.ndim) + _last_axis(bias, x.ndim)
 
 
+def _final_norm(params: Mapping[str, Any], config: Any, caller: str) -> tuple[str, float, Array, Array]:
+    """The final norm's kind, epsilon, gain `[D]` (1 + scale for "rms_offset") and bias `[D]` (zeros
+    for the RMS kinds). ValueError for an RMS norm without `config`, which says which."""
+    norm = params["final_norm"]
+    if config is None:
+        if "bias" not in norm:
+            raise ValueError(
+                f"{caller}: the final norm has no bias (norm='rms' or 'rms_offset', which the parameters "
+                "do not tell apart); pass config= (the model's TransformerConfig: norm, norm_epsilon, "
+                "final_logit_soft_cap)"
+            )
+        kind, epsilon = "layernorm", LAYER_NORM_EPS
+    else:
+        kind, epsilon = config.norm, float(config.norm_epsilon)
+    scale = jnp.asarray(norm["scale"])
+    gain = 1.0 + scale if kind == "rms_offset" else scale
+    bias = jnp.asarray(norm["bias"]) if kind == "layernorm" and "bias" in norm else jnp.zeros_like(scale)
+    return kind, epsilon, gain, bias
+
+
+def _soft_cap(config: Any) -> float | None:
+    return None if config is None else config.final_logit_soft_cap
+
+
 def accumulated_resid(
     cache: Mapping[str, Any], num_layers: int, *, incl_mid: bool = False
 ) -> tuple[Array, list[str]]:
@@ -93,19 +130,29 @@ def accumulated_resid(
 
 
 def logit_lens(
-    cache: Mapping[str, Any], params: Mapping[str, Any], *, incl_mid: bool = False
+    cache: Mapping[str, Any], params: Mapping[str, Any], *, incl_mid: bool = False, config: Any = None
 ) -> tuple[Array, list[str]]:
     """Logits read off the residual stream before each layer: `[C, ..., T, V]`, labels.
 
-    Each row of `accumulated_resid` goes through the final LayerNorm with its
-    own mean and variance, then the head (the logit lens, nostalgebraist 2020);
-    the last row ("final_post") is the model's logits.
+    Each row of `accumulated_resid` goes through the final norm (`config.norm`)
+    with its own statistics, then the head (or the tied embedding) and the
+    final soft cap, if any (the logit lens, nostalgebraist 2020); the last row
+    ("final_post") is the model's logits.
     """
     params = _model_params(params)
     stack, labels = accumulated_resid(cache, num_layers(params), incl_mid=incl_mid)  # (C, ..., T, D)
+    kind, epsilon, _, _ = _final_norm(params, config, "logit_lens")
     norm = params["final_norm"]
-    normalised = layer_norm(stack, norm["scale"], norm["bias"])  # (C, ..., T, D)
-    return jnp.matmul(normalised, params["head"]["kernel"], precision=HIGHEST), labels  # (C, ..., T, V)
+    normalised = normalize(
+        stack,
+        kind=kind,
+        epsilon=epsilon,
+        scale=norm["scale"],
+        bias=norm.get("bias") if kind == "layernorm" else None,
+    )  # (C, ..., T, D)
+    logits = jnp.matmul(normalised, unembedding(params), precision=HIGHEST)  # (C, ..., T, V)
+    cap = _soft_cap(config)
+    return (logits if cap is None else cap * jnp.tanh(logits / cap)), labels
 
 
 def head_results(cache: Mapping[str, Any], W_O: Array, layer: int) -> Array:
@@ -128,15 +175,33 @@ def residual_decomposition(
 ) -> tuple[Array, list[str]]:
     """The final residual stream split into what wrote it: `[C, ..., T, D]`, labels.
 
-    Rows: "embed" (`hook_embed`), "pos_embed" (`hook_pos_embed`), then for each
+    Rows: "embed" (`hook_embed`), "pos_embed" (`hook_pos_embed`; learned
+    positions only, no row without a `position_embedding`), then for each
     layer l each head "L{l}H{h}" (`head_results`), "{l}_attn_bias" (b_O) and
-    "{l}_mlp_out" (`blocks.{l}.hook_mlp_out`); C = 2 + L (N + 2). The rows sum
-    to `blocks.{L-1}.hook_resid_post`. `lora_alpha`: as for `head_weights`.
+    "{l}_mlp_out" (`blocks.{l}.hook_mlp_out`); C = 2 + L (N + 2) (1 + L (N + 2)
+    without positions). The rows sum
+    to `blocks.{L-1}.hook_resid_post` (a parallel block's too). ValueError for
+    norms after the sublayers (norm_placement "post", "sandwich"): the
+    attention's output is then a norm of the heads' sum, not the sum.
+    `lora_alpha`: as for `head_weights`.
     """
+    params = _model_params(params)
+    post = sorted(
+        {name for layer in range(num_layers(params)) for name in params[f"block_{layer}"]}
+        & {"attention_post_norm", "mlp_post_norm"}
+    )
+    if post:
+        raise ValueError(
+            f"residual_decomposition: the blocks have {', '.join(post)} (norm_placement 'post' or "
+            "'sandwich'): the heads' results and the MLP's output pass a norm before the residual "
+            "stream, so they are not its components"
+        )
     weights = head_weights(params, lora_alpha=lora_alpha)
     embed = _get(cache, "hook_embed")  # (..., T, D)
-    rows = [embed, jnp.broadcast_to(_get(cache, "hook_pos_embed"), embed.shape)]
-    labels = ["embed", "pos_embed"]
+    rows, labels = [embed], ["embed"]
+    if "position_embedding" in params:
+        rows.append(jnp.broadcast_to(_get(cache, "hook_pos_embed"), embed.shape))
+        labels.append("pos_embed")
     for layer in range(weights.W_O.shape[0]):
         results = head_results(cache, weights.W_O[layer], layer)  # (..., T, N, D)
         rows.extend(jnp.moveaxis(results, -2, 0))  # N x (..., T, D)
@@ -172,15 +237,18 @@ def direct_logit_attribution(
     contrast: Any = None,
     *,
     lora_alpha: float | None = None,
+    config: Any = None,
 ) -> tuple[Array, list[str]]:
     """Each component's direct effect on the logit of `answer` (minus `contrast`'s): `[C + 1, ..., T]`.
 
-    With the final LayerNorm's scale s frozen (`ln_final.hook_scale` `[..., T, 1]`
+    With the final norm's scale s frozen (`ln_final.hook_scale` `[..., T, 1]`
     from the cache, else computed from the final residual stream), the logit
     of token a is sum_c (c - mean(c)) / s * gamma . W_U[:, a] + beta . W_U[:, a]
-    over the rows c of `residual_decomposition`: one attribution per row, and a
-    last row "final_norm_bias" for the bias term beta . W_U[:, a]. The rows sum
-    to the logit (to logit(answer) - logit(contrast) with `contrast`).
+    over the rows c of `residual_decomposition` (RMS norms: c / s, no mean;
+    "rms_offset": gain 1 + gamma): one attribution per row, and a last row
+    "final_norm_bias" for the bias term beta . W_U[:, a] (zero for the RMS
+    kinds, which have none). The rows sum to the logit (to logit(answer) -
+    logit(contrast) with `contrast`), before the final soft cap if the model has one.
 
     Args:
       cache: activations by hook name (see `residual_decomposition`).
@@ -189,27 +257,31 @@ def direct_logit_attribution(
         position dims `[..., T]` (size-1 dims broadcast, e.g. `[B, 1]` for one
         answer per sequence).
       lora_alpha: as for `head_weights`.
+      config: the model's TransformerConfig (the final norm's kind and
+        epsilon; see the module's doc). Needed for an RMS final norm.
 
     Returns:
       attributions `[C + 1, ..., T]` and their labels.
     """
     params = _model_params(params)
+    kind, epsilon, gain, shift = _final_norm(params, config, "direct_logit_attribution")
     stack, labels = residual_decomposition(cache, params, lora_alpha=lora_alpha)  # (C, ..., T, D)
-    W_U, norm = params["head"]["kernel"], params["final_norm"]  # (D, V)
+    W_U = unembedding(params)  # (D, V)
     batch_rank = stack.ndim - 2
     direction = _token_directions(W_U, answer, "answer", batch_rank)  # (..., T, D)
     if contrast is not None:
         direction = direction - _token_directions(W_U, contrast, "contrast", batch_rank)
+    centre = kind == "layernorm"
     if "ln_final.hook_scale" in cache:
         scale = jnp.asarray(cache["ln_final.hook_scale"])  # (..., T, 1)
     else:
         final = jnp.sum(stack, axis=0)  # (..., T, D)
-        centred = final - jnp.mean(final, axis=-1, keepdims=True)
-        scale = jnp.sqrt(
-            jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + LAYER_NORM_EPS
-        )  # (..., T, 1)
-    normalised = (stack - jnp.mean(stack, axis=-1, keepdims=True)) / scale[None]  # (C, ..., T, D)
-    gain, shift = (_last_axis(norm[name], direction.ndim) for name in ("scale", "bias"))  # (1, ..., 1, D)
+        if centre:
+            final = final - jnp.mean(final, axis=-1, keepdims=True)
+        scale = jnp.sqrt(jnp.mean(jnp.square(final), axis=-1, keepdims=True) + epsilon)  # (..., T, 1)
+    centred = stack - jnp.mean(stack, axis=-1, keepdims=True) if centre else stack  # (C, ..., T, D)
+    normalised = centred / scale[None]  # (C, ..., T, D)
+    gain, shift = (_last_axis(vector, direction.ndim) for vector in (gain, shift))  # (1, ..., 1, D)
     attributions = jnp.sum(normalised * (gain * direction)[None], axis=-1)  # (C, ..., T)
     bias = jnp.sum(shift * direction, axis=-1)  # (..., T) or (1, ..., 1)
     bias = jnp.broadcast_to(bias, attributions.shape[1:])  # (..., T)

@@ -14,7 +14,9 @@ convention of the code (a residual vector x is a row; a head reads x W):
   embedding_weights   W_E `[V, D]`, W_pos `[max_len, D]`, W_U `[D, V]`, b_U `[V]`
                       (optionally with the final LayerNorm folded into W_U and b_U).
   qk_matrices         W_QK = W_Q W_K^T `[L, N, D, D]`: the bilinear form of the logits
-                      (query residual x, key residual y: x W_QK y^T, before the scale).
+                      (query residual x, key residual y: x W_QK y^T, before the scale;
+                      with RoPE the logit is x W_Q R_(t-s) W_K^T y, and W_QK is its form
+                      at offset 0 only; QK-norm is refused, its logits are not bilinear).
   ov_matrices         W_OV = W_V W_O `[L, N, D, D]`: what a head writes for a key it reads.
   qk_singular_values, ov_singular_values   their singular values `[L, N, H]` /
                       `[L, N, Hv]`, from the factors (no D x D matrix is built).
@@ -61,6 +63,7 @@ __all__ = [
     "head_weights",
     "embedding_weights",
     "num_layers",
+    "unembedding",
     "qk_matrices",
     "ov_matrices",
     "per_matrix",
@@ -120,6 +123,22 @@ def num_layers(params: Mapping[str, Any]) -> int:
     return sum(1 for name in _model_params(params) if name.startswith("block_"))
 
 
+def unembedding(params: Mapping[str, Any]) -> Array:
+    """W_U `[D, V]`: the head's kernel, or the token embedding's transpose for a tied head
+    (tie_embeddings: no `head` parameter)."""
+    params = _model_params(params)
+    if "head" in params:
+        return params["head"]["kernel"]
+    return jnp.transpose(params["token_embedding"]["embedding"])
+
+
+def _bias(projection: Mapping[str, Any], kernel: Array) -> Array:
+    """The projection's bias, zeros of the kernel's output dims without one (qkv_bias, out_bias False)."""
+    if "bias" in projection:
+        return projection["bias"]
+    return jnp.zeros(kernel.shape[1:], kernel.dtype)
+
+
 def _kernel(projection: Mapping[str, Any], lora_alpha: float | None) -> Array:
     return effective_kernel(projection, 1.0 if lora_alpha is None else lora_alpha)
 
@@ -127,6 +146,11 @@ def _kernel(projection: Mapping[str, Any], lora_alpha: float | None) -> Array:
 def _fold_norm(norm: Mapping[str, Any], kernel: Array, bias: Array) -> tuple[Array, Array]:
     """A kernel `[D, ...]` reading LN(x) = x_hat * scale + shift, as one reading x_hat:
     (scale * kernel) centred over D, and bias + shift @ kernel (TransformerLens's fold_ln)."""
+    if "bias" not in norm:
+        raise ValueError(
+            "fold_layer_norm: the norm has no bias (an RMS norm, 'rms' or 'rms_offset', which the "
+            "parameters do not tell apart, and whose statistics are not centred): only LayerNorms fold"
+        )
     scale, shift = norm["scale"], norm["bias"]  # (D,), (D,)
     bias = bias + jnp.tensordot(shift, kernel, axes=1, precision=HIGHEST)  # (...)
     folded = kernel * scale.reshape(-1, *(1,) * (kernel.ndim - 1))  # (D, ...)
@@ -136,12 +160,15 @@ def _fold_norm(norm: Mapping[str, Any], kernel: Array, bias: Array) -> tuple[Arr
 def _layer_weights(block: Mapping[str, Any], lora_alpha: float | None, fold_layer_norm: bool) -> HeadWeights:
     """One block's HeadWeights without the layer axis."""
     attention = block["attention"]
-    if "query_ln" in attention:
+    if "query_ln" in attention or "key_ln" in attention:
         raise ValueError("head_weights: the attention normalises q and k (normalize_qk): W_QK is not linear")
-    projections = {
-        name: (_kernel(attention[name], lora_alpha), attention[name]["bias"])
-        for name in ("query", "key", "value")
-    }  # query (D, N, H), (N, H); key (D|C, K, H), (K, H); value (D|C, K, Hv), (K, Hv)
+    projections = {}
+    for name in ("query", "key", "value"):
+        kernel = _kernel(attention[name], lora_alpha)
+        projections[name] = (
+            kernel,
+            _bias(attention[name], kernel),
+        )  # query (D, N, H), (N, H); key (D|C, K, H), (K, H); value (D|C, K, Hv), (K, Hv)
     if "kv_latent" in attention:  # K = (x W_C + b_C) W_K + b_K = x (W_C W_K) + (b_C W_K + b_K)
         latent_kernel = _kernel(attention["kv_latent"], lora_alpha)  # (D, C)
         latent_bias = attention["kv_latent"]["bias"]  # (C,)
@@ -152,6 +179,11 @@ def _layer_weights(block: Mapping[str, Any], lora_alpha: float | None, fold_laye
                 bias + jnp.einsum("c,ckh->kh", latent_bias, kernel, precision=HIGHEST),  # (K, H)
             )
     if fold_layer_norm:
+        if "attention_norm" not in block:
+            raise ValueError(
+                "head_weights: fold_layer_norm, and the block has no norm before its attention "
+                "(norm_placement='post')"
+            )
         projections = {
             name: _fold_norm(block["attention_norm"], kernel, bias)
             for name, (kernel, bias) in projections.items()
@@ -168,7 +200,8 @@ def _layer_weights(block: Mapping[str, Any], lora_alpha: float | None, fold_laye
     W_K, b_K = per_query_head(*projections["key"])
     W_V, b_V = per_query_head(*projections["value"])
     W_O = _kernel(attention["out"], lora_alpha)  # (N, Hv, D)
-    return HeadWeights(W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, attention["out"]["bias"])
+    b_O = attention["out"]["bias"] if "bias" in attention["out"] else jnp.zeros(W_O.shape[-1], W_O.dtype)
+    return HeadWeights(W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O)
 
 
 def head_weights(
@@ -202,19 +235,30 @@ def head_weights(
     return HeadWeights(*(jnp.stack(arrays) for arrays in zip(*layers, strict=True)))
 
 
-def embedding_weights(params: Mapping[str, Any], *, fold_layer_norm: bool = False) -> EmbeddingWeights:
+def embedding_weights(
+    params: Mapping[str, Any], *, fold_layer_norm: bool = False, embedding_scale: float | None = None
+) -> EmbeddingWeights:
     """W_E `[V, D]`, W_pos `[max_len, D]`, W_U `[D, V]` and b_U `[V]` of a TransformerLM.
 
     The head has no bias: b_U is zero, unless `fold_layer_norm` folds the final
     LayerNorm into the unembedding (W_U scaled by its scale and centred over D,
-    b_U = its bias @ W_U), so that W_U reads the normalised final residual.
+    b_U = its bias @ W_U), so that W_U reads the normalised final residual
+    (ValueError for an RMS final norm). A tied head's W_U is the token
+    embedding's transpose. Without a `position_embedding` (RoPE or no
+    positions) W_pos is `[0, D]`. `embedding_scale`: the model's
+    TransformerConfig.embedding_scale, which the parameters do not hold; W_E is
+    then the scaled embedding the residual stream receives (W_U stays unscaled).
     """
     params = _model_params(params)
-    W_U = params["head"]["kernel"]  # (D, V)
+    W_U = unembedding(params)  # (D, V)
     b_U = jnp.zeros(W_U.shape[-1], W_U.dtype)  # (V,)
     if fold_layer_norm:
         W_U, b_U = _fold_norm(params["final_norm"], W_U, b_U)
-    return EmbeddingWeights(params["token_embedding"]["embedding"], params["position_embedding"], W_U, b_U)
+    W_E = params["token_embedding"]["embedding"]  # (V, D)
+    W_pos = params.get("position_embedding", jnp.zeros((0, W_E.shape[-1]), W_E.dtype))  # (max_len | 0, D)
+    if embedding_scale is not None:
+        W_E = W_E * jnp.asarray(embedding_scale, W_E.dtype)
+    return EmbeddingWeights(W_E, W_pos, W_U, b_U)
 
 
 def qk_matrices(weights: HeadWeights) -> Array:
