@@ -74,7 +74,8 @@ def test_lm_head_mask_is_per_layer_and_head():
     np.testing.assert_allclose(
         model.apply({"params": params}, tokens, head_mask=masks[5]), expected, atol=1e-5
     )
-    with pytest.raises(AssertionError):
+    expected_shape = r"head_mask has shape \(4, 2\).*\(num_layers, num_heads\) = \(2, 4\)"
+    with pytest.raises(ValueError, match=expected_shape):
         model.apply({"params": params}, tokens, head_mask=jnp.ones((4, 2)))
 
 
