@@ -54,6 +54,7 @@ from jax.experimental import checkify
 
 from qkv_jax.attention import (
     IMPLEMENTATIONS,
+    SUPPORTED,
     KeyVisibility,
     PrecisionLike,
     and_masks,
@@ -534,14 +535,17 @@ def _check_positions(owner: str, settings: AttentionOptions) -> None:
 
 def check_jax_nn_path(owner: str, implementation: Any, soft_cap: Any, sinks: Any) -> None:
     """ValueError naming `attention_implementation` unless it is None or one of `IMPLEMENTATIONS`,
-    and when jax.nn's paths ("xla", "cudnn"), which have neither, are asked for with a soft cap or
-    sinks."""
+    and when a path without them in `qkv_jax.attention.SUPPORTED` (jax.nn's "xla" and "cudnn") is
+    asked for with a soft cap or sinks."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"{owner}: attention_implementation={implementation!r}: unknown; choose one of "
             f"{', '.join(IMPLEMENTATIONS)} (or None: the dispatch rule)"
         )
-    if implementation in ("xla", "cudnn") and (soft_cap is not None or sinks):
+    wanted = {"logits_soft_cap": soft_cap is not None, "sinks": bool(sinks)}
+    if implementation is not None and any(
+        given and feature not in SUPPORTED[implementation] for feature, given in wanted.items()
+    ):
         raise ValueError(
             f"{owner}: attention_implementation={implementation!r} (jax.nn's) has no logits soft cap and "
             f"no sinks, and attn_logits_soft_cap={soft_cap!r}, sinks={bool(sinks)}; use 'reference' or "
