@@ -14,6 +14,7 @@ import sys
 import textwrap
 import weakref
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -763,3 +764,49 @@ def test_shard_sizes_read_as_transformers_spells_them():
     for bad in ("lots", "0", -1, "5 parsecs"):
         with pytest.raises(ValueError, match="max_shard_size"):
             shard_bytes(bad)
+
+
+# ------------------------------------------------------------------- pieces of the workflows
+
+
+def test_save_copies_files_inside_the_atomic_write(tmp_path, loaded):
+    config, params = loaded
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0"}\n')
+    target = save_pretrained(tmp_path / "saved", config, params, files=[tokenizer])
+    assert (target / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    for bad, message in ((tmp_path / "absent.json", "is not a file"), (target / "config.json", "writes config.json")):
+        with pytest.raises(ValueError, match=message):
+            save_pretrained(tmp_path / "refused", config, params, files=[bad])
+        assert not (tmp_path / "refused").exists()  # refused before any work
+
+
+def test_load_config_reads_no_tensor_and_agrees_with_load_pretrained(llama, loaded):
+    from qkv_jax.pretrained.io import is_pretrained_directory, load_config
+
+    config, model_type = load_config(llama[0])
+    assert model_type == "llama"
+    assert config == dataclasses.replace(loaded[0], dtype=config.dtype, param_dtype=config.param_dtype)
+    assert is_pretrained_directory(llama[0]) and not is_pretrained_directory(llama[0].parent)
+
+
+def test_init_from_reads_a_checkpoint_directory(llama, loaded, tmp_path):
+    from qkv_jax.training.init_from import read_source
+    from qkv_jax.training.validate import ConfigError
+
+    saved = read_source({"train": {"init_from": str(llama[0])}})
+    assert saved.step == 0
+    chex.assert_trees_all_equal(saved.tree, loaded[1])
+    with pytest.raises(ConfigError, match=r"nor is it a Hugging Face checkpoint"):
+        read_source({"train": {"init_from": str(tmp_path)}})
+
+
+def test_a_model_section_changes_a_checkpoint_config_field_by_field(loaded):
+    from qkv_jax.tasks.transformer import transformer_config
+
+    base = loaded[0]
+    changed = transformer_config(
+        {"num_kv_heads": 1, "lora_rank": 4, "norm": None}, base.vocab_size, base=base
+    )
+    assert changed == dataclasses.replace(base, num_kv_heads=1, lora_rank=4)

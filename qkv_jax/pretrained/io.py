@@ -25,10 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from qkv_jax.lm import TransformerConfig, TransformerLM
-from qkv_jax.pretrained.checkpoint import PretrainedError, TensorSource, read_json
+from qkv_jax.pretrained.checkpoint import INDEX, SINGLE, PretrainedError, TensorSource, read_json
 from qkv_jax.pretrained.schema import HFConfig
 
-__all__ = ["MIXTURES_OF_EXPERTS", "family_of", "read_config", "load_pretrained", "load_pretrained_nnx"]
+__all__ = [
+    "MIXTURES_OF_EXPERTS",
+    "family_of",
+    "read_config",
+    "is_pretrained_directory",
+    "load_config",
+    "load_pretrained",
+    "load_pretrained_nnx",
+]
 
 # model_types of mixture-of-experts models: TransformerLM has one MLP per block, not experts.
 MIXTURES_OF_EXPERTS = (
@@ -75,6 +83,23 @@ def read_config(directory: str | pathlib.Path) -> HFConfig:
     if not isinstance(fields.get("model_type"), str):
         raise PretrainedError(f"{path / 'config.json'}: has no model_type string")
     return HFConfig(fields, source=str(path / "config.json"))
+
+
+def is_pretrained_directory(directory: str | pathlib.Path) -> bool:
+    """Whether `directory` looks like a Hugging Face model directory: a config.json beside a
+    model.safetensors or a model.safetensors.index.json (nothing is read or checked)."""
+    path = pathlib.Path(directory)
+    return (path / "config.json").is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())
+
+
+def load_config(directory: str | pathlib.Path) -> tuple[TransformerConfig, str]:
+    """(TransformerConfig, model_type) of `directory`/config.json, every field checked as
+    `load_pretrained` checks it, without reading a tensor. The config's dtypes are
+    TransformerConfig's defaults (float32): the checkpoint's own come from its tensors."""
+    hf = read_config(directory)
+    config = family_of(hf.model_type).to_config(hf)
+    hf.check_all_read()
+    return config, hf.model_type
 
 
 def _param_dtype(tensors: TensorSource, dtype: Any) -> np.dtype:
@@ -201,10 +226,8 @@ def load_pretrained(
     shard the index names that is absent, a missing, unexpected or misshapen tensor.
     """
     path = pathlib.Path(directory)
-    hf = read_config(path)
-    family = family_of(hf.model_type)
-    config = family.to_config(hf)
-    hf.check_all_read()
+    config, model_type = load_config(path)
+    family = family_of(model_type)
     with TensorSource(path) as tensors:
         param_dtype = _param_dtype(tensors, dtype)
         config = dataclasses.replace(config, param_dtype=param_dtype, dtype=param_dtype)

@@ -136,6 +136,18 @@ def _check_target(target: pathlib.Path, overwrite: bool) -> None:
         )
 
 
+def _extra_files(files: Iterable[str | pathlib.Path]) -> list[pathlib.Path]:
+    """`files` as paths, ValueError before any work when one is not a readable file or its name
+    is one that save_pretrained writes itself."""
+    paths = [pathlib.Path(f) for f in files]
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"save_pretrained: files= names {path}, which is not a file")
+        if path.name in ("config.json", INDEX) or path.name.startswith("model"):
+            raise ValueError(f"save_pretrained: files= names {path}; save_pretrained writes {path.name} itself")
+    return paths
+
+
 def _header(records: list[tuple[str, tuple[int, ...], np.dtype, int]]) -> bytes:
     """A safetensors header (8-byte little-endian length, then JSON padded with spaces so the
     data starts 8-aligned) for tensors written in `records`' order."""
@@ -266,6 +278,7 @@ def save_pretrained(
     model_type: str | None = None,
     max_shard_size: int | str = "50GB",
     overwrite: bool = False,
+    files: Iterable[str | pathlib.Path] = (),
 ) -> pathlib.Path:
     """Writes `params` (a linen TransformerLM's) and `config` as a Hugging Face directory that
     `transformers.AutoModelForCausalLM.from_pretrained` loads; returns its path.
@@ -273,12 +286,15 @@ def save_pretrained(
     `model_type` picks the family; None: the first family whose config.json reads back to
     `config` exactly (fields of RUNTIME_FIELDS aside). The weights are stored in the params'
     dtype; `max_shard_size` (bytes, or "500MB", "5GB" as transformers spells it) splits them
-    into shards with a model.safetensors.index.json. Written atomically (see the module
-    docstring); a non-empty `directory` is refused unless `overwrite`.
+    into shards with a model.safetensors.index.json. `files` (a tokenizer.json, say) are copied
+    in beside them under their own names, inside the same atomic write, so the directory never
+    exists without them. Written atomically (see the module docstring); a non-empty
+    `directory` is refused unless `overwrite`.
     """
     target = pathlib.Path(directory).absolute()
     limit = shard_bytes(max_shard_size)
     _check_target(target, overwrite)
+    extra = _extra_files(files)
     family, fields = pick_family(config, model_type)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.partial-{secrets.token_hex(4)}")
@@ -292,6 +308,8 @@ def save_pretrained(
             total = sum(record[3] for shard in shards for record in shard)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             _write_file(temporary / INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        for path in extra:
+            _write_file(temporary / path.name, path.read_bytes())
         _sync_directory(temporary)
         _move_into_place(temporary, target)
     except BaseException:

@@ -91,10 +91,14 @@ def _renamed(model_config: dict) -> dict:
     return model_config
 
 
-def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) -> TransformerConfig:
+def transformer_config(
+    model_config: dict, vocab_size: int, *, base: TransformerConfig | None = None, **overrides: Any
+) -> TransformerConfig:
     """The TransformerConfig a config's `model` section describes (fields by name; others are
-    left out, unset ones take TransformerConfig's default). `overrides`, e.g. `causal=True`,
-    replace fields. ConfigError naming the field when TransformerConfig refuses a value."""
+    left out, unset ones take `base`'s value, or TransformerConfig's default without one: a
+    pretrained checkpoint's config is a `base` whose fields the section changes one by one).
+    `overrides`, e.g. `causal=True`, replace fields. ConfigError naming the field when
+    TransformerConfig refuses a value."""
     fields = {
         name: value for name, value in _renamed(model_config).items() if name in _FIELDS and value is not None
     }
@@ -112,6 +116,8 @@ def transformer_config(model_config: dict, vocab_size: int, **overrides: Any) ->
             f"model.precision={fields['precision']!r}: unknown; choose one of {', '.join(PRECISIONS)}"
         )
     try:
+        if base is not None:
+            fields = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **fields}
         return TransformerConfig(**{**fields, "vocab_size": vocab_size, **overrides})
     except (TypeError, ValueError) as error:
         raise ConfigError(_config_message(error)) from None

@@ -1,7 +1,9 @@
 """`train.init_from`: a run that starts from another run's trained parameters.
 
 `--config.train.init_from=SOURCE` names a run's workdir, its `checkpoints/`
-directory or one checkpoint step directory (`W/checkpoints/300`). When the
+directory, one checkpoint step directory (`W/checkpoints/300`) or a Hugging Face
+model directory (config.json and safetensors, read by `qkv_jax.load_pretrained`,
+as step 0 of that source). When the
 run's own workdir has no checkpoint yet, the trainer starts from the source's
 parameters (`checkpoints.read_params`: read-only, verified, the newest usable
 checkpoint or the named step) at step 0 with a fresh optimizer state; once the
@@ -21,31 +23,44 @@ another source is another run (`prepare_workdir` refuses it).
 from __future__ import annotations
 
 import json
+import pathlib
 from typing import Any
 
 import jax
 from absl import logging
 
 from qkv_jax.finetune import fit_params
-from qkv_jax.training.checkpoints import NoCheckpointError, Saved, read_params
+from qkv_jax.pretrained.io import is_pretrained_directory, load_pretrained
+from qkv_jax.training.checkpoints import NoCheckpointError, RunLocation, Saved, read_params
 from qkv_jax.training.validate import ConfigError
 
 __all__ = ["read_source", "fitted_params", "initial_params"]
 
 
 def read_source(config: dict) -> Saved:
-    """The parameters `train.init_from` names (host arrays); ConfigError when none is usable."""
+    """The parameters `train.init_from` names (host arrays, or a Hugging Face checkpoint's
+    arrays at step 0); ConfigError when none is usable."""
     source = config["train"]["init_from"]
+    if is_pretrained_directory(source):
+        try:
+            _, params = load_pretrained(source)
+        except ValueError as error:  # PretrainedError: the file and the tensor
+            raise ConfigError(f"train.init_from={source!r}: {error}") from None
+        path = pathlib.Path(source).absolute()
+        return Saved(params, 0, RunLocation(checkpoints=path, step=0, workdir=path))
     try:
         return read_params(source)
     except NoCheckpointError as error:
-        raise ConfigError(f"train.init_from={source!r}: {error}") from None
+        raise ConfigError(
+            f"train.init_from={source!r}: {error} (nor is it a Hugging Face checkpoint: no config.json "
+            "beside a model.safetensors)"
+        ) from None
 
 
 def _source_lora_alpha(source: Saved) -> float | None:
     path = source.location.workdir / "config.json"
-    if not path.is_file():
-        return None
+    if not path.is_file() or is_pretrained_directory(source.location.workdir):
+        return None  # a Hugging Face config.json has no adapters
     return (json.loads(path.read_text()).get("model") or {}).get("lora_alpha")
 
 
