@@ -776,7 +776,8 @@ def test_save_copies_files_inside_the_atomic_write(tmp_path, loaded):
     target = save_pretrained(tmp_path / "saved", config, params, files=[tokenizer])
     assert (target / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
-    for bad, message in ((tmp_path / "absent.json", "is not a file"), (target / "config.json", "writes config.json")):
+    refused = ((tmp_path / "absent.json", "is not a file"), (target / "config.json", "writes config.json"))
+    for bad, message in refused:
         with pytest.raises(ValueError, match=message):
             save_pretrained(tmp_path / "refused", config, params, files=[bad])
         assert not (tmp_path / "refused").exists()  # refused before any work

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 TEXT = (
@@ -102,7 +103,7 @@ def load_transformers(directory: str | pathlib.Path):
     return transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
 
 
-def logits(model, ids) -> "numpy.ndarray":  # noqa: F821
+def logits(model, ids) -> np.ndarray:
     """transformers' logits `[B, T, V]` of int token ids `[B, T]`, as NumPy float32."""
     import torch
 

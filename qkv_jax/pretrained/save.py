@@ -144,7 +144,9 @@ def _extra_files(files: Iterable[str | pathlib.Path]) -> list[pathlib.Path]:
         if not path.is_file():
             raise ValueError(f"save_pretrained: files= names {path}, which is not a file")
         if path.name in ("config.json", INDEX) or path.name.startswith("model"):
-            raise ValueError(f"save_pretrained: files= names {path}; save_pretrained writes {path.name} itself")
+            raise ValueError(
+                f"save_pretrained: files= names {path}; save_pretrained writes {path.name} itself"
+            )
     return paths
 
 
