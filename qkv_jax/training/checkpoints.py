@@ -138,9 +138,23 @@ class Checkpoints:
                 create=not read_only,
                 read_only=read_only,
             )
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=("state", "record")
-            )
+            self._manager = self._open(options, retries=5 if read_only else 0)
+
+    def _open(self, options: Any, retries: int) -> Any:
+        """orbax's manager, reopened when a step it listed vanished before it read the step's time.
+
+        A reader opening a run that is training at that moment lists the step directories,
+        then stats each one; the trainer may delete an old step in between (max_to_keep), and
+        orbax then raises FileNotFoundError for a step nobody asked for. The listing is simply
+        taken again.
+        """
+        for attempt in range(retries + 1):
+            try:
+                return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "record"))
+            except FileNotFoundError:
+                if attempt == retries or not self.directory.is_dir():
+                    raise
+        raise AssertionError("unreachable")
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
