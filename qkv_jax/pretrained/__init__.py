@@ -3,6 +3,7 @@
   load_pretrained(directory, *, dtype=None)       -> (TransformerConfig, linen params)
   load_pretrained_nnx(directory, *, dtype=None)   -> qkv_jax.nnx.TransformerLM
   save_pretrained(directory, config, params, ...) a directory transformers loads
+  load_tokenizer(directory, *, vocab_size=None)  the checkpoint's tokenizer.json: encode, decode
   PretrainedError                                 a bad file: one line naming the file and tensor
   HFConfig, METADATA                              config.json as the family files read it
 
@@ -18,11 +19,14 @@ from qkv_jax.pretrained.checkpoint import PretrainedError, TensorSource
 from qkv_jax.pretrained.io import load_pretrained, load_pretrained_nnx
 from qkv_jax.pretrained.save import save_pretrained
 from qkv_jax.pretrained.schema import METADATA, HFConfig
+from qkv_jax.pretrained.tokenizer import PretrainedTokenizer, load_tokenizer
 
 __all__ = [
     "load_pretrained",
     "load_pretrained_nnx",
     "save_pretrained",
+    "load_tokenizer",
+    "PretrainedTokenizer",
     "PretrainedError",
     "TensorSource",
     "HFConfig",
