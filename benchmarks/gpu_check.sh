@@ -47,7 +47,7 @@ echo "== tests (timeout 200 s)"
 if [[ ${#dry_run[@]} -eq 0 ]]; then
   tests=(-n 8 -m "not slow" tests)
 else
-  tests=(-p no:xdist tests/test_dispatch.py tests/test_precision.py)
+  tests=(-p no:xdist tests/attention/test_dispatch.py tests/attention/test_precision.py)
 fi
 timeout 200 python3 -m pytest -q "${tests[@]}" >"$OUT/pytest.txt" 2>&1
 rc=$?

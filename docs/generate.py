@@ -121,7 +121,7 @@ def experiments(only: list[str] | None = None) -> None:
 
 def reliability() -> None:
     """Collects the tests (no run) and renders their reliability marks, with the launcher
-    fuzzer's recorded run (docs/launcher_fuzz.json, which tests/test_launcher_fuzz.py writes)."""
+    fuzzer's recorded run (docs/launcher_fuzz.json, which tests/launchers/test_launcher_fuzz.py writes)."""
     with tempfile.TemporaryDirectory() as tmp:
         dump = pathlib.Path(tmp) / "cases.json"
         subprocess.run(

@@ -319,7 +319,7 @@ class AttentionOptions:
     """Every option of multi-head attention, declared once; the checks run when it is built.
 
     The linen `MultiHeadAttention`'s fields and the nnx `MultiHeadAttention`'s
-    constructor keywords carry these names and defaults (tests/test_faces_attention.py
+    constructor keywords carry these names and defaults (tests/modules/test_faces_attention.py
     holds them equal); each face builds one `AttentionOptions` from them
     (`AttentionOptions.pick`) and the core reads nothing else. The meaning of
     each field is in the linen `MultiHeadAttention`'s docstring. What only one

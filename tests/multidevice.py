@@ -1,4 +1,4 @@
-"""Runs train_and_evaluate on simulated CPU devices (a subprocess of tests/test_sharding.py).
+"""Runs train_and_evaluate on simulated CPU devices (a subprocess of tests/training/test_sharding.py).
 
   python tests/multidevice.py '{"devices": 8, "runs": [{"workdir": ..., "config": "flag_retrieval:multihead",
                                                        "overrides": {"mesh.data": 4, ...}}]}'

@@ -110,3 +110,19 @@ def attention(query, key, value, mask=None, bias=None, scale=None):
     """`attention_full`'s (out, weights) for a boolean `mask` (True = may attend)."""
     out, weights, _ = attention_full(query, key, value, allowed=mask, bias=bias, scale=scale)
     return out, weights
+
+
+def slow_rope(x, positions, base, fraction):
+    """float64 rotation, pair by pair: dims (i, i + r/2) of the leading r turn by p * base^(-2i/r)."""
+    x = np.asarray(x, np.float64)
+    out = x.copy()
+    H = x.shape[-1]
+    r = int(H * fraction)
+    positions = np.broadcast_to(np.asarray(positions), x.shape[:-2])
+    for index in np.ndindex(*x.shape[:-1]):
+        p = positions[index[:-1]]
+        for i in range(r // 2):
+            angle = p * base ** (-2.0 * i / r)
+            rotation = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+            out[(*index, [i, i + r // 2])] = rotation @ x[(*index, [i, i + r // 2])]
+    return out

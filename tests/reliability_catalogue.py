@@ -1,5 +1,5 @@
 """Renders docs/reliability.md from the tests marked `reliability(area, case, behaviour)`, and the
-launcher fuzzer's recorded run (docs/launcher_fuzz.json, written by tests/test_launcher_fuzz.py).
+launcher fuzzer's recorded run (docs/launcher_fuzz.json, written by tests/launchers/test_launcher_fuzz.py).
 
 Regenerate: python -m docs.generate reliability
 """
@@ -32,7 +32,7 @@ HEADER = """# Reliability
 What qkv_jax does with bad input, killed runs, corrupt checkpoints and awkward
 numerics, and the test that proves each case. This file is generated from the
 tests' `@pytest.mark.reliability(area, case, behaviour)` marks by
-`python -m docs.generate reliability`; `tests/test_reliability.py` fails when it
+`python -m docs.generate reliability`; `tests/launchers/test_reliability.py` fails when it
 is out of date. Every test listed runs in CI.
 """
 
@@ -51,11 +51,12 @@ def fuzz_summary(record: dict) -> list[str]:
     return [
         "## The launcher, fuzzed",
         "",
-        f"`tests/test_launcher_fuzz.py` at {record['cases']:,} cases (seed {record['seed']}, "
+        f"`tests/launchers/test_launcher_fuzz.py` at {record['cases']:,} cases (seed {record['seed']}, "
         f"{record['seconds']:.0f} s on {record['machine']}): {codes}; {record['tracebacks']} tracebacks; "
         f"{record['distinct_error_lines']:,} distinct error lines of {record['distinct_error_kinds']} kinds. "
         "Recorded by `QKV_JAX_FUZZ_CASES=20000 QKV_JAX_FUZZ_RECORD=docs/launcher_fuzz.json python -m pytest "
-        "-p no:xdist tests/test_launcher_fuzz.py -k 'fuzzed_command_lines and not subprocess'`; every CI run "
+        "-p no:xdist tests/launchers/test_launcher_fuzz.py -k 'fuzzed_command_lines and not subprocess'`; "
+        "every CI run "
         f"runs {record['default_cases']:,} cases with a new seed.",
         "",
     ]

@@ -172,7 +172,7 @@ def _fast_when_finite(attend, query, key, value, bias, lengths, empty_rows):
     and a conditional in each direction; under differentiation the forward
     conditional also copies the output once (XLA gives a conditional its own
     output buffer, and the kernel's output is kept for its backward pass).
-    tests/test_dispatch.py checks that the finite branch is jax.nn's program alone.
+    tests/attention/test_dispatch.py checks that the finite branch is jax.nn's program alone.
     """
     fast = _nothing_to_fix(key, value, empty_rows)
     return lax.cond(

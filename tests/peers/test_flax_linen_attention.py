@@ -34,7 +34,7 @@ Skipped, each a feature docs/compatibility.md lists as unsupported:
     attn_weights_value_einsum), which qkv_jax's does not take.
   test_multihead_mask_warning: a value input of another width than the module was built
     for raises flax's ScopeParamShapeError there; qkv_jax raises a ValueError naming both
-    widths (its DeprecationWarning is tested in tests/test_faces_attention.py).
+    widths (its DeprecationWarning is tested in tests/modules/test_faces_attention.py).
 """
 # ruff: noqa
 # fmt: off

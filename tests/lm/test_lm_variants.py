@@ -187,29 +187,13 @@ def test_nnx_equals_linen_for_every_pair_of_options(case):
 # ----------------------------------------------------------------------------------- RoPE
 
 
-def slow_rope(x, positions, base, fraction):
-    """float64 rotation, pair by pair: dims (i, i + r/2) of the leading r turn by p * base^(-2i/r)."""
-    x = np.asarray(x, np.float64)
-    out = x.copy()
-    H = x.shape[-1]
-    r = int(H * fraction)
-    positions = np.broadcast_to(np.asarray(positions), x.shape[:-2])
-    for index in np.ndindex(*x.shape[:-1]):
-        p = positions[index[:-1]]
-        for i in range(r // 2):
-            angle = p * base ** (-2.0 * i / r)
-            rotation = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
-            out[(*index, [i, i + r // 2])] = rotation @ x[(*index, [i, i + r // 2])]
-    return out
-
-
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.75])
 @pytest.mark.parametrize("per_example", [False, True], ids=["shared", "per_example"])
 def test_rope_rotates_as_the_slow_numpy_rotation(fraction, per_example):
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, 3, 8))  # (B, T, heads, H)
     positions = jnp.array([[0, 1, 2, 7, 100], [3, 0, 1, 2, 50]]) if per_example else jnp.arange(5) + 4
     rotated = apply_rope(x, positions, base=10000.0, fraction=fraction)
-    np.testing.assert_allclose(rotated, slow_rope(x, positions, 10000.0, fraction), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(rotated, ref.slow_rope(x, positions, 10000.0, fraction), atol=1e-5, rtol=1e-5)
     r = int(8 * fraction)
     np.testing.assert_array_equal(rotated[..., r:], x[..., r:])  # the rest passes unchanged
 
@@ -254,7 +238,7 @@ def numpy_layer(params, x, *, window, rope_base, soft_cap, rms, positions):
     query, key, value = project("query"), project("key"), project("value")
     if rms:
         query, key = rms_norm(query, p["query_ln"]["scale"]), rms_norm(key, p["key_ln"]["scale"])
-    query, key = slow_rope(query, positions, rope_base, 1.0), slow_rope(key, positions, rope_base, 1.0)
+    query, key = (ref.slow_rope(x, positions, rope_base, 1.0) for x in (query, key))
     T = x.shape[1]
     allowed = ref.allowed_pairs((x.shape[0],), N, T, T, is_causal=True, window=window)
     heads, _, _ = ref.attention_full(query, key, value, allowed=allowed, soft_cap=soft_cap, sinks=p["sinks"])

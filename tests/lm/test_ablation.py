@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_char_lm import small_config as char_lm_small_config
+from small_char_lm import small_config as char_lm_small_config
 
 import qkv_jax
 from qkv_jax import lm

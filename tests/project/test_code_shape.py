@@ -3,7 +3,7 @@
 import ast
 import pathlib
 
-LIBRARY = pathlib.Path(__file__).resolve().parents[1] / "qkv_jax"
+LIBRARY = pathlib.Path(__file__).resolve().parents[2] / "qkv_jax"
 MAX_LINES = 60
 # The blocked attention kernel's forward and backward stay whole: each is one tiled loop nest.
 EXEMPT = {("chunked.py", "_forward"), ("chunked.py", "_attention_bwd")}

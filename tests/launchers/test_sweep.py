@@ -20,7 +20,7 @@ from qkv_jax.training.validate import ConfigError
 from studies.grid import apply_overrides, grid, parse_sweep_arg
 from studies.sweep import CellsFailed, run_sweep
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tiny_config(variant="multihead"):

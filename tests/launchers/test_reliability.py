@@ -31,7 +31,7 @@ from qkv_jax.training import (
 )
 from qkv_jax.training.workdir import MetricsWriter, read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def small_config(**train):
@@ -374,7 +374,7 @@ def test_kill_9_at_random_moments(tmp_path):
 
 def test_reliability_catalogue_is_current():
     """docs/reliability.md lists exactly the marked tests (python -m docs.generate reliability)."""
-    test_files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    test_files = {p.name for p in (ROOT / "tests").rglob("test_*.py")}
     if not test_files <= conftest.COLLECTED_FILES:
         pytest.skip("only a part of the suite was collected")
     expected = reliability_catalogue.render(conftest.RELIABILITY_CASES)

@@ -14,7 +14,7 @@ import pytest
 from in_process import launch_train
 from launch import cache_flag, launcher_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = "configs/flag_retrieval.py"
 SMALL = [
     "--config.train.steps=4",

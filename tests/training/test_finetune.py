@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from launch import launcher_env
-from test_char_lm import small_config as char_lm_small_config
+from small_char_lm import small_config as char_lm_small_config
 
 from configs import char_lm as char_lm_config
 from qkv_jax import lm
@@ -29,7 +29,7 @@ from studies import finetuning
 from studies.catalogue import STUDIES
 from studies.results import write_study_results
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB, LAYERS, D, N, MAX_LEN = 11, 2, 16, 4, 12
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, MAX_LEN), 0, VOCAB)
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))

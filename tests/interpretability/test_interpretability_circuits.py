@@ -2,7 +2,7 @@
 
 `reference_forward` is an independent float64 forward pass of a TransformerLM
 that names every activation as TransformerLens does; the attribution
-functions read its cache, and tests/test_transformer_lens_parity.py uses it
+functions read its cache, and tests/interpretability/test_transformer_lens_parity.py uses it
 to check TransformerLens's own activations on the converted model.
 """
 

@@ -40,7 +40,7 @@ from qkv_jax.pretrained import io as io_module
 from qkv_jax.pretrained.families import FAMILIES
 from qkv_jax.pretrained.save import shard_bytes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKENS = np.array([[3, 17, 5, 60, 2, 9, 41, 33, 12, 7, 0, 63]], np.int32)
 # The one-line errors of bad files, catalogued in docs/reliability.md.
 bad_file = pytest.mark.reliability

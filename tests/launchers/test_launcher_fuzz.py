@@ -15,7 +15,7 @@ it writes). The seed is new each run (QKV_JAX_FUZZ_SEED fixes it) and printed wi
 failing case; QKV_JAX_FUZZ_CASES sets the number of cases (default 2,000). With
 QKV_JAX_FUZZ_RECORD=<file> the run's counts go to that file (docs/launcher_fuzz.json is what
 docs/reliability.md shows: `QKV_JAX_FUZZ_CASES=20000 QKV_JAX_FUZZ_RECORD=docs/launcher_fuzz.json
-python -m pytest -p no:xdist tests/test_launcher_fuzz.py`).
+python -m pytest -p no:xdist tests/launchers/test_launcher_fuzz.py`).
 
 char_lm cases train on a small text file (`--config.data.path`, unless a case sets that field
 itself): its build would otherwise read and encode the whole standard library, seconds a case.
@@ -39,7 +39,7 @@ from ml_collections import ConfigDict
 from configs import char_lm, flag_retrieval, sequences
 from qkv_jax.training.workdir import write_json
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CASES = 2000
 CASES = int(os.environ.get("QKV_JAX_FUZZ_CASES", str(DEFAULT_CASES)))
 SEED = int(os.environ.get("QKV_JAX_FUZZ_SEED", str(random.SystemRandom().randrange(2**32))))

@@ -25,7 +25,7 @@ from qkv_jax.training import (
 from qkv_jax.training.sharding import make_mesh, mesh_shape, partition_spec, state_shardings
 from qkv_jax.training.workdir import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 OVERRIDES = {
     "model.num_heads": 4,
     "train.steps": 20,

@@ -1,6 +1,6 @@
 """The interpretability tools on checkpoints loaded by `qkv_jax.pretrained`.
 
-Tiny random transformers models (tests/test_pretrained_families.py's `build`) of
+Tiny random transformers models (tests/pretrained/test_pretrained_families.py's `build`) of
 Llama (gated MLP, RMSNorm, GQA, biases), Gemma 2 (sandwich norms, rms_offset,
 soft caps, tied head, embedding_scale, head_dim != d_model / num_heads), GPT-NeoX
 (parallel block, LayerNorm eps 1e-5) and OLMo 2 (post norms, full-width QK-norm):

@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What a checkout holds beside the library; the wheel carries none of it.
 CHECKOUT = {"studies", "configs", "experiments", "benchmarks", "docs", "tests"}
 

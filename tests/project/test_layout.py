@@ -15,7 +15,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The packages walked: the library and the studies on top of it.
 PACKAGES = ("qkv_jax", "studies")
 # What a checkout holds beside the library; the wheel carries none of it.

@@ -109,7 +109,7 @@ def test_default_tiles_match_the_reference(is_causal, masking):
 
 @pytest.mark.parametrize(
     "offset", [pytest.param("top-left", marks=pytest.mark.slow), "bottom-right"]
-)  # top-left with T != S on small tiles: also tests/test_attention_variants.py
+)  # top-left with T != S on small tiles: also tests/attention/test_attention_variants.py
 @pytest.mark.slow
 def test_causal_with_fewer_queries_than_keys_and_more(offset):
     """Causal T != S, aligned top-left (jax.nn's) and bottom-right (query_offset = S - T: the

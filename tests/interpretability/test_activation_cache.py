@@ -1,7 +1,7 @@
 """Hook points and run_with_cache / generate_with_cache against float64 NumPy, linen and nnx.
 
 Every activation of a TransformerLM (MHA, GQA, MLA with LoRA) against the
-float64 forward of tests/test_interpretability_circuits.py; patterns of
+float64 forward of tests/interpretability/test_interpretability_circuits.py; patterns of
 chosen heads on the chunked, XLA and reference paths; the attention variants
 (RoPE, windows, QK-norm, soft cap, sinks, packed segments) against float64
 attention of the captured queries, keys and values; the KV-cache loop's
@@ -20,7 +20,6 @@ import numpy_reference as ref
 import pytest
 from flax import nnx
 from test_interpretability_circuits import CONFIGS, model_params, reference_forward, tokens_for
-from test_lm_variants import slow_rope
 
 from qkv_jax import lm
 from qkv_jax import nnx as qkv_nnx
@@ -141,7 +140,7 @@ def test_variant_hooks_equal_float64_attention_of_the_captured_qkv(variant):
         k = _norm(k, config.normalize_qk, p["attention"]["key_ln"]["scale"])
     if config.positions == "rope":
         positions = np.arange(T) if segments is None else np.array([0, 1, 2, 0, 1, 2, 3, 0])
-        q, k = (slow_rope(x, positions, config.rope_base, config.rope_fraction) for x in (q, k))
+        q, k = (ref.slow_rope(x, positions, config.rope_base, config.rope_fraction) for x in (q, k))
     np.testing.assert_allclose(acts["blocks.1.attn.hook_q"], q, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(acts["blocks.1.attn.hook_k"], k, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(acts["blocks.1.attn.hook_v"], v, rtol=1e-5, atol=1e-5)

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 from launch import cache_flag, launcher_env
+from small_char_lm import small_config
 
-from configs import char_lm as char_lm_config
 from qkv_jax.lm import generate
 from qkv_jax.tasks.char_lm import read_run
 from qkv_jax.training import ConfigError, build_setup, read_params, train_and_evaluate
@@ -18,29 +18,8 @@ from studies import language_model
 from studies.catalogue import STUDIES
 from studies.results import write_study_results
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT = "".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400))
-
-
-def small_config(path, **overrides):
-    config = char_lm_config.get_config()
-    config.data.path = str(path)
-    config.model.num_layers = 1
-    config.model.d_model = 32
-    config.model.max_len = 48
-    config.task.seq_len = 32
-    config.train.steps = 60
-    config.train.batch_size = 16
-    config.train.learning_rate = 1e-2
-    config.train.warmup_steps = 5
-    config.train.log_every = 20
-    config.train.checkpoint_every = 30
-    config.eval.num_examples = 32
-    config.eval.sample_length = 20
-    for field, value in overrides.items():
-        section, name = field.split("__")
-        config[section][name] = value
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +170,7 @@ def test_causal_mask_study_writes_its_results(text_file, tmp_path):
 @pytest.mark.slow
 def test_kv_heads_study_through_the_sweep(text_file, tmp_path):
     base = study_config(text_file)
-    cells = [  # MQA and MLA; the cache sizes of the others are tests/test_lm.py's
+    cells = [  # MQA and MLA; the cache sizes of the others are tests/lm/test_lm.py's
         {"model.num_kv_heads": 1, "model.kv_latent_dim": None},
         {"model.num_kv_heads": 4, "model.kv_latent_dim": 8},
     ]

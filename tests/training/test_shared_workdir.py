@@ -24,7 +24,7 @@ from qkv_jax.training.checkpoints import NoCheckpointError
 from qkv_jax.training.workdir import WorkdirBusyError, WorkdirLock, differences, read_metrics
 from studies.results import write_sweep_results
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The small run every test here starts from, as command-line overrides and as a config.
 SMALL = {"steps": 20, "batch_size": 8, "log_every": 5, "checkpoint_every": 10}
 ARGS = [f"--config.train.{name}={value}" for name, value in SMALL.items()]

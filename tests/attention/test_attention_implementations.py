@@ -4,7 +4,7 @@ Every path must give the reference's outputs and gradients (float64 NumPy for
 outputs, the reference path for gradients), including masks, GQA, causal with
 T != S, fully masked rows, bias and low precision. The chunked kernel is also
 run with tiny blocks so that padding, several blocks and the skipped causal
-blocks are exercised at small shapes (tests/test_attention_variants.py counts the
+blocks are exercised at small shapes (tests/attention/test_attention_variants.py counts the
 tiles the kernel computes and checks that it skips the rest).
 """
 

@@ -27,7 +27,7 @@ from qkv_jax.training.memory import InsufficientMemoryError
 from qkv_jax.training.preemption import EXIT_PREEMPTED
 from qkv_jax.training.workdir import DiskFullError, WorkdirLock
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LONG = ["--config.train.steps=400000", "--config.train.log_every=100", "--config.train.checkpoint_every=1000"]
 
 
