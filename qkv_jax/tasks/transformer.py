@@ -223,9 +223,12 @@ def init_params(model: TransformerLM, seq_len: int, key: jax.Array) -> Any:
     return model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
 
 
-def training_logits(model: TransformerLM, params: Any, tokens: jax.Array, rng: jax.Array) -> jax.Array:
-    """Logits `[B, T, V]` of `tokens` `[B, T]` in training mode (dropout drawn from `rng`)."""
-    logits = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": rng})
+def training_logits(
+    model: TransformerLM, params: Any, tokens: jax.Array, rng: jax.Array, **inputs: Any
+) -> jax.Array:
+    """Logits `[B, T, V]` of `tokens` `[B, T]` in training mode (dropout drawn from `rng`);
+    `inputs`: the model's other arguments (e.g. `segment_ids` of packed rows)."""
+    logits = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": rng}, **inputs)
     return jnp.asarray(logits)
 
 

@@ -60,7 +60,7 @@ def make_optimizer(train: Any) -> optax.GradientTransformation:
     warmup = train["warmup_steps"]
     if train["schedule"] == "cosine":
         learning_rate = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup, 1), max(train["steps"], warmup + 1)
+            0.0, learning_rate, max(warmup, 1), max(train["steps"], max(warmup, 1) + 1)
         )
     elif warmup:
         learning_rate = optax.linear_schedule(0.0, learning_rate, warmup)

@@ -72,8 +72,8 @@ def mesh_shape(config: dict, num_devices: int | None = None) -> tuple[int, int]:
     batch = config["train"]["batch_size"]
     if batch % data:
         raise ConfigError(f"train.batch_size={batch} is not divisible by the data axis (mesh.data={data})")
-    heads = config.get("model", {}).get("num_heads", 1)
-    if heads % model:
+    heads = config.get("model", {}).get("num_heads", 1)  # unset: a pretrained model's (its task checks)
+    if heads is not None and heads % model:
         raise ConfigError(f"model.num_heads={heads} is not divisible by the model axis (mesh.model={model})")
     return data, model
 

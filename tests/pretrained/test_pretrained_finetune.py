@@ -1,0 +1,278 @@
+"""Fine-tuning a Hugging Face checkpoint through the launcher (configs/pretrained_text.py): LoRA and
+MHA -> GQA uptraining on a text file, `experiments.export` back to a directory transformers loads with
+the logits qkv_jax computes, packed documents that attention never crosses, and each bad input as
+one line (exit 2)."""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiny_checkpoints
+from in_process import launch_train
+from launch import launcher_env
+
+from qkv_jax import load_pretrained
+from qkv_jax.finetune import convert_kv_heads
+from qkv_jax.lm import TransformerLM
+from qkv_jax.lora import merge_lora
+from qkv_jax.tasks.pretrained_text import (
+    PRETRAINED_DIR,
+    pack_documents,
+    read_run,
+    split_documents,
+    without_adapters,
+)
+from qkv_jax.training import read_params
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PARAGRAPHS = tiny_checkpoints.TEXT.strip().split("\n\n")
+# Documents separated by blank lines: the tiny checkpoints' text, each paragraph with a line of its own.
+DOCUMENTS = [f"{PARAGRAPHS[i % 2]}\nHead {i} reads layer {i % 3}." for i in range(30)]
+# A few steps of batch 2 on rows of 16 tokens, at a learning rate that moves the logits.
+SMALL = [
+    "--config.task.seq_len=16",
+    "--config.train.steps=4",
+    "--config.train.batch_size=2",
+    "--config.train.log_every=2",
+    "--config.train.checkpoint_every=4",
+    "--config.train.warmup_steps=0",
+    "--config.train.learning_rate=0.01",
+    "--config.eval.num_examples=4",
+]
+PROBE = np.arange(2, 42, dtype=np.int64).reshape(2, 20) % 90 + 3  # token ids of both vocabularies
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """{"llama": dir, "gpt2": dir} tiny Hugging Face checkpoints, and the text file to fine-tune on."""
+    root = tmp_path_factory.mktemp("pretrained")
+    directories = {kind: tiny_checkpoints.checkpoint(root / kind, kind) for kind in tiny_checkpoints.KINDS}
+    text = root / "text.txt"
+    text.write_text("\n\n".join(DOCUMENTS))
+    return directories, text
+
+
+def train(workdir, source, text, *extra):
+    return launch_train(
+        "--config",
+        "configs/pretrained_text.py",
+        "--workdir",
+        str(workdir),
+        f"--config.train.init_from={source}",
+        f"--config.data.path={text}",
+        *SMALL,
+        *extra,
+    )
+
+
+def export(workdir, out):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.export", "--workdir", str(workdir), "--out", str(out)],
+        cwd=ROOT,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def qkv_logits(workdir):
+    """(the trained model's logits, the merged model's) on PROBE, from the newest checkpoint."""
+    config, _ = read_run(workdir)
+    params = read_params(workdir).tree
+    adapted = TransformerLM(config).apply({"params": params}, PROBE.astype(np.int32))
+    merged = TransformerLM(without_adapters(config)).apply(
+        {"params": merge_lora(params, config.lora_alpha)}, PROBE.astype(np.int32)
+    )
+    return np.asarray(adapted), np.asarray(merged)
+
+
+def assert_same_logits(actual, expected):
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+# --- Fast checks ------------------------------------------------------------------------------
+
+
+def test_documents_split_in_order_and_pack_into_rows_with_segment_ids():
+    train, validation = split_documents("a\n\n\n\nb\n\nc\n\nd", "\n\n", 0.3)
+    assert (train, validation) == (["a", "b"], ["c", "d"])  # ceil(0.3 * 4) = 2 validate; blanks dropped
+    assert split_documents("0123456789", "\n\n", 0.2) == (["01234567"], ["89"])
+    tokens, segments = pack_documents([np.array([5, 6, 7]), np.array([8, 9]), np.array([10, 11, 12])], 3)
+    # 8 tokens in rows of 4 overlapping by one: rows start at 0, 3, 6; the last padded with 0.
+    np.testing.assert_array_equal(tokens, [[5, 6, 7, 8], [8, 9, 10, 11], [11, 12, 0, 0]])
+    np.testing.assert_array_equal(segments, [[1, 1, 1, 2], [2, 2, 3, 3], [3, 3, 0, 0]])
+
+
+def test_packed_rows_attend_within_their_documents(sources):
+    """A packed row's logits are each document's own logits (positions restart, no attention
+    across the boundary), and the loss counts only the pairs within one document."""
+    from qkv_jax.tasks.pretrained_text import _targets_of
+
+    directories, _ = sources
+    config, params = load_pretrained(directories["llama"])
+    model = TransformerLM(config)
+    first, second = np.array([[1, 7, 9, 11, 4]]), np.array([[1, 20, 5]])
+    row = np.concatenate([first, second], axis=1).astype(np.int32)
+    segments = np.array([[1, 1, 1, 1, 1, 2, 2, 2]], np.int32)
+    packed = np.asarray(model.apply({"params": params}, row, segment_ids=segments))
+    for document, start in ((first, 0), (second, 5)):
+        alone = np.asarray(model.apply({"params": params}, document.astype(np.int32)))
+        assert_same_logits(packed[:, start : start + document.shape[1]], alone)
+    batch = _targets_of(np.concatenate([row, [[0]]], 1), np.concatenate([segments, [[0]]], 1))
+    np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 1, 0, 1, 1, 0]])
+
+
+def bad(tmp_path, sources, **changes):
+    """The error lines of a run whose `changes` ({"path": file, "source": dir, flag: value})
+    are bad; nothing is compiled or written."""
+    directories, text = sources
+    source, path = changes.pop("source", directories["gpt2"]), changes.pop("path", text)
+    extra = [f"--config.{name}={value}" for name, value in changes.items()]
+    launched = train(tmp_path / "W", source, path, *extra)
+    assert launched.code == 2, launched.stderr[-2000:]
+    assert not (tmp_path / "W").exists()
+    return launched.error_lines
+
+
+def test_bad_inputs_are_one_line_each(sources, tmp_path):
+    directories, _ = sources
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    assert bad(tmp_path, sources, path=empty) == [
+        f"error: data.path={str(empty)!r}: the file is empty; the task trains on its text"
+    ]
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("The keys meet the queries at the café.".encode("latin-1"))
+    assert bad(tmp_path, sources, path=latin) == [
+        f"error: data.path={str(latin)!r}: not UTF-8 text (byte 0xe9 at offset 36)"
+    ]
+    assert bad(tmp_path, sources, **{"task.seq_len": 65}) == [
+        "error: task.seq_len=65: longer than the model's 64 positions (max_position_embeddings of "
+        f"{directories['gpt2'] / 'config.json'})"
+    ]
+    neither = tmp_path / "neither"
+    neither.mkdir()
+    (neither / "notes.txt").write_text("not a model")
+    assert bad(tmp_path, sources, source=neither) == [
+        f"error: train.init_from={str(neither)!r}: neither a Hugging Face model directory (config.json "
+        "beside model.safetensors) nor a run's workdir or checkpoint"
+    ]
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(directories["gpt2"], untokenized)
+    (untokenized / "tokenizer.json").unlink()
+    [line] = bad(tmp_path, sources, source=untokenized)
+    assert line.startswith(
+        f"error: train.init_from={str(untokenized)!r}: {untokenized}: has no tokenizer.json"
+    )
+
+
+def test_export_refuses_an_occupied_out_and_a_workdir_without_checkpoints(sources, tmp_path):
+    directories, _ = sources
+    workdir = tmp_path / "W"
+    (workdir / PRETRAINED_DIR).mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps({"model": {}}))
+    shutil.copy(directories["gpt2"] / "config.json", workdir / PRETRAINED_DIR / "config.json")
+    occupied = tmp_path / "saved"
+    occupied.mkdir()
+    (occupied / "mine.txt").write_text("a user's file")
+    done = export(workdir, occupied)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        2,
+        [
+            f"error: --out={occupied}: already exists and is not an empty directory; nothing was written "
+            "(choose a new directory)"
+        ],
+    )
+    assert sorted(p.name for p in occupied.iterdir()) == ["mine.txt"]
+    done = export(workdir, tmp_path / "new")
+    assert (done.returncode, done.stderr.splitlines()) == (
+        2,
+        [f"error: --workdir={str(workdir)!r}: has no checkpoints/ to export"],
+    )
+    assert not (tmp_path / "new").exists()
+
+
+# --- End to end -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", tiny_checkpoints.KINDS)
+def test_lora_fine_tune_exports_to_transformers_with_the_merged_logits(kind, sources, tmp_path):
+    directories, text = sources
+    workdir = tmp_path / "W"
+    launched = train(workdir, directories[kind], text, "--config.model.lora_rank=4")
+    assert launched.code == 0, launched.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["trainable_params"] * 10 < summary["params"]
+    assert summary["eval_val_loss"] < summary["untrained"]["eval_val_loss"]
+    # Only the adapters trained: the source's kernels are in the checkpoint bit for bit.
+    _, original = load_pretrained(directories[kind])
+    trained = read_params(workdir).tree["block_1"]["attention"]
+    np.testing.assert_array_equal(
+        trained["query"]["kernel"], original["block_1"]["attention"]["query"]["kernel"]
+    )
+    assert np.abs(np.asarray(trained["value"]["lora_b"])).max() > 1e-3
+
+    done = export(workdir, tmp_path / "hf")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    source_tokenizer = (directories[kind] / "tokenizer.json").read_bytes()
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == source_tokenizer
+    adapted, merged = qkv_logits(workdir)
+    assert_same_logits(merged, adapted)
+    exported = tiny_checkpoints.logits(tiny_checkpoints.load_transformers(tmp_path / "hf"), PROBE)
+    assert_same_logits(exported, merged)
+    before = tiny_checkpoints.logits(tiny_checkpoints.load_transformers(directories[kind]), PROBE)
+    assert np.abs(exported - before).max() > 1e-3 * np.abs(before).max()
+
+
+@pytest.mark.slow
+def test_mha_converted_to_gqa_uptrains_and_exports_with_the_new_kv_heads(sources, tmp_path):
+    directories, text = sources
+    workdir = tmp_path / "W"
+    launched = train(
+        workdir,
+        directories["llama"],
+        text,
+        "--config.train.convert_kv_heads=True",
+        "--config.model.num_kv_heads=2",
+    )
+    assert launched.code == 0, launched.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["trainable_params"] == summary["params"]
+    # The uptraining started from the mean-pooled heads: its key kernel is [D, 2, H].
+    assert read_params(workdir).tree["block_0"]["attention"]["key"]["kernel"].shape == (16, 2, 4)
+
+    done = export(workdir, tmp_path / "hf")
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["model_type"], config["num_attention_heads"], config["num_key_value_heads"]) == (
+        "llama",
+        4,
+        2,
+    )
+    _, merged = qkv_logits(workdir)
+    model = tiny_checkpoints.load_transformers(tmp_path / "hf")
+    assert model.config.num_key_value_heads == 2
+    assert_same_logits(tiny_checkpoints.logits(model, PROBE), merged)
+    # Uptraining moved the pooled heads: the exported logits are not those of the converted source.
+    source_config, source_params = load_pretrained(directories["llama"])
+    pooled = TransformerLM(dataclasses.replace(source_config, num_kv_heads=2)).apply(
+        {"params": convert_kv_heads(source_params, 2)}, PROBE.astype(np.int32)
+    )
+    assert np.abs(merged - np.asarray(pooled)).max() > 1e-3 * np.abs(merged).max()
+    # A run of this task as init_from: its model (2 K/V heads) and weights, no conversion asked.
+    launched = train(tmp_path / "W2", workdir, text, "--config.train.steps=1")
+    assert launched.code == 0, launched.stderr[-3000:]
+    continued = json.loads((tmp_path / "W2" / "summary.json").read_text())
+    assert continued["untrained"]["eval_val_loss"] == pytest.approx(summary["eval_val_loss"], abs=1e-5)
