@@ -35,6 +35,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "fail",
     "parse_flags",
+    "one_source",
     "training_errors",
     "config_file_module",
     "config_sweep",
@@ -210,9 +211,26 @@ def parse_flags(argv: list[str]) -> list[str]:
     except Exception as error:  # noqa: BLE001 - any parsing or config-loading failure becomes one line
         fail(_describe_parse_error(error, argv), code=EXIT_CONFIG)
     for name in ("config", "workdir"):
+        if name == "workdir" and "pretrained" in flags.FLAGS:
+            continue  # the launcher reads one of --workdir and --pretrained (`one_source`)
         if name in flags.FLAGS and flags.FLAGS[name].value in (None, ""):
             fail(f"--{name} is required" + (" (and not empty)" if flags.FLAGS[name].present else ""), 2)
     return remaining
+
+
+def one_source() -> str:
+    """ "workdir" or "pretrained": which of the two flags of a launcher that reads either a run or
+    a Hugging Face directory was given; exits 2 with one line unless exactly one was."""
+    from absl import flags
+
+    given = [name for name in ("workdir", "pretrained") if flags.FLAGS[name].value not in (None, "")]
+    if len(given) != 1:
+        which = "not both" if given else "one is required"
+        fail(
+            f"give --workdir (a run) or --pretrained (a Hugging Face checkpoint directory), {which}",
+            code=EXIT_CONFIG,
+        )
+    return given[0]
 
 
 def config_file_module(flag_name: str = "config") -> tuple[ModuleType, str | None]:

@@ -1,9 +1,12 @@
-r"""Pictures, head diagnostics and the attention explorer page of a finished run or sweep.
+r"""Pictures, head diagnostics and the attention explorer page of a finished run or sweep, or
+of a Hugging Face checkpoint.
 
   python -m experiments.report --workdir runs/flag
   python -m experiments.report --workdir runs/char_lm --prompt "def forward(self, x):"
   python -m experiments.report --workdir runs/char_lm \
     --clean "x = f(a); y = f(" --corrupted "x = g(a); y = f("
+  python -m experiments.report --pretrained path/to/hf_model --out reports/hf_model \
+    --prompt "The keys and the queries" [--clean "The values" --corrupted "The output"]
 
 A run: loss.png, the experiment's attention pictures of the newest checkpoint,
 report.json with the evaluation metrics and per-head diagnostics (entropy,
@@ -17,13 +20,24 @@ and for a language model with --clean and --corrupted a patching heat map.
 A sweep: loss_curves.png, the table plots, each cell's report.html (its first
 seed) and results.html linking to them.
 
-Patching: the two prompts must have as many tokens (a char LM reads characters,
-the sequence tasks whitespace-separated token ids). The answer is the model's
-most likely next token after the clean prompt, the contrast its most likely one
-after the corrupted prompt (they must differ); each head's clean output (its z,
-before W_O, at every position) replaces its output in the corrupted run in
-turn, and the heat map shows the share of logit(answer) - logit(contrast) at
-the last position this restores: (patched - corrupted) / (clean - corrupted).
+A Hugging Face checkpoint (--pretrained: config.json, model.safetensors and its
+tokenizer.json; give --prompt and --out): OUT/report.json with the prompt's tokens, each
+head's diagnostics on it (entropy, distance, previous and first token, max weight) and
+induction scores on a repeated random sequence, and with --clean and --corrupted the
+patching result; OUT/report.html, the same explorer page with the checkpoint's weights as its
+one checkpoint (shown as step 0) and no loss curves. OUT is created if missing; report.html
+and report.json in it are replaced, nothing else there is touched. Text is read with the
+checkpoint's tokenizer (special tokens as it adds them), tokens labelled by their text in its
+vocabulary.
+
+Patching: the two prompts must have as many tokens (a char LM reads characters, the
+sequence tasks whitespace-separated token ids, a Hugging Face checkpoint its
+tokens). The answer is the model's most likely next token after the clean prompt,
+the contrast its most likely one after the corrupted prompt (they must differ); each
+head's clean output (its z, before W_O, at every position) replaces its output in
+the corrupted run in turn, and the heat map shows the share of logit(answer) -
+logit(contrast) at the last position this restores: (patched - corrupted) / (clean -
+corrupted).
 """
 
 from absl import flags
@@ -32,14 +46,39 @@ from experiments import common
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "A run's or a sweep's workdir.")
+flags.DEFINE_string(
+    "pretrained",
+    None,
+    "A Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer.json).",
+)
+flags.DEFINE_string("out", None, "With --pretrained: the directory report.html and report.json go into.")
 flags.DEFINE_string("prompt", None, "Language models: a text the explorer page shows too.")
 flags.DEFINE_string("clean", None, "Language models: the clean prompt of the page's patching heat map.")
 flags.DEFINE_string("corrupted", None, "With --clean: the corrupted prompt, as many tokens long.")
 common.define_common_flags()
 
 
+def report_pretrained(patching: tuple[str, str] | None) -> None:
+    from qkv_jax.report.pretrained import report_pretrained
+    from qkv_jax.training import ConfigError
+
+    for name in ("prompt", "out"):
+        if not FLAGS[name].value:
+            common.fail(f"--{name}: required with --pretrained (and not empty)", code=2)
+    try:
+        report = report_pretrained(FLAGS.pretrained, FLAGS.out, FLAGS.prompt, patching)
+    except ConfigError as error:
+        common.fail(str(error), code=2)
+    print(f"{FLAGS.pretrained}: wrote {FLAGS.out}/report.json and report.html")
+    print(f"  prompt tokens                {report['prompt_tokens']}")
+    if report["patching"] is not None:
+        patched = report["patching"]
+        print(f"  patching answer, contrast    {patched['answer']!r}, {patched['contrast']!r}")
+
+
 def main(argv):
     del argv  # run_main refuses positional arguments
+    source = common.one_source()
     common.enable_compilation_cache(FLAGS.compilation_cache)
     from qkv_jax.report.run import is_sweep, report_run
     from qkv_jax.training import ConfigError
@@ -49,6 +88,11 @@ def main(argv):
         given = "--clean" if FLAGS.clean is not None else "--corrupted"
         common.fail(f"{given} needs the other of --clean and --corrupted", code=2)
     patching = None if FLAGS.clean is None else (FLAGS.clean, FLAGS.corrupted)
+    if source == "pretrained":
+        report_pretrained(patching)
+        return
+    if FLAGS.out is not None:
+        common.fail("--out: only with --pretrained (a run's report is written into its workdir)", code=2)
     try:
         if is_sweep(FLAGS.workdir):
             if patching is not None:

@@ -10,8 +10,9 @@
 
 A TransformerLM's matrices come from `qkv_jax.interpretability.circuits` with each
 block's attention LayerNorm folded in (`fold_layer_norm=True`: the heads read the
-normalised residual), LoRA adapters merged, grouped K/V heads repeated and an MLA
-latent folded into W_K and W_V. The flag task's models have one layer: the learned
+normalised residual; an RMS norm, a Llama's, is not folded), LoRA adapters merged,
+grouped K/V heads repeated and an MLA latent folded into W_K and W_V. The flag task's
+models have one layer: the learned
 query's (`LearnedQueryAttention`, one head) W_QK = W_query W_key^T and, having no
 W_O, its value map W_value; the multi-head reader's W_QK and W_OV per head. The
 static reader learns nothing, and a model that normalises its queries and keys
@@ -20,6 +21,7 @@ has no one W_QK: the view says so.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -48,7 +50,10 @@ __all__ = [
     "flag_reader_spectra",
     "lm_circuits",
     "patching_data",
+    "PromptReader",
+    "read_patching_prompts",
     "read_prompt",
+    "run_prompts",
     "head_patching",
 ]
 
@@ -61,10 +66,13 @@ Measure = Callable[[Any], dict[str, jax.Array]]
 def lm_circuits(model: TransformerLM, params: Any) -> dict[str, jax.Array]:
     """A TransformerLM's circuits: `qk` `[L, N, H]` and `ov` `[L, N, Hv]` singular values
     (descending), their effective ranks `qk_rank`, `ov_rank` `[L, N]`, and with two or more
-    layers `Q`, `K`, `V` composition scores `[L, N, L, N]`; LayerNorms folded in."""
+    layers `Q`, `K`, `V` composition scores `[L, N, L, N]`; LayerNorms folded in (an RMS norm,
+    whose statistics are not centred, is not)."""
     config = model.config
     weights = head_weights(
-        params, lora_alpha=config.lora_alpha if config.lora_rank else None, fold_layer_norm=True
+        params,
+        lora_alpha=config.lora_alpha if config.lora_rank else None,
+        fold_layer_norm=config.norm == "layernorm",
     )
     qk, ov = qk_singular_values(weights), ov_singular_values(weights)  # (L, N, H), (L, N, Hv)
     measured = {"qk": qk, "qk_rank": effective_rank(qk), "ov": ov, "ov_rank": effective_rank(ov)}
@@ -116,6 +124,9 @@ def _what_applies(model: Any) -> tuple[Measure | None, dict[str, str], list[str]
         notes = [
             "each block's attention LayerNorm is folded into W_Q, W_K and W_V (the heads read the "
             "normalised residual stream)"
+            if config.norm == "layernorm"
+            else f"the blocks' {config.norm} norms are not folded in: W_Q, W_K and W_V read the residual "
+            "stream after its norm's scale"
         ]
         if config.positions == "rope":
             notes.append(
@@ -185,6 +196,24 @@ PATCHING_RULE = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptReader:
+    """How a report reads the prompts given on its command line: `read(text, flag)` -> (`[T]` int32
+    token ids, their labels), a ConfigError naming `flag` (e.g. "--clean") for a text the model
+    cannot read; `label(id)` a token's label; `command` the command that adds a patching heat map
+    (for the page's note)."""
+
+    read: Callable[[str, str], tuple[np.ndarray, list[str]]]
+    label: Callable[[int], str]
+    command: str = PATCHING_COMMAND
+
+
+def check_prompt_length(model: TransformerLM, ids: np.ndarray, text: str, flag: str) -> None:
+    """ConfigError unless `ids` fill 1 to max_len positions."""
+    if not 1 <= len(ids) <= model.config.max_len:
+        raise ConfigError(f"{flag}={text!r}: {len(ids)} tokens; the model reads 1 to {model.config.max_len}")
+
+
 def read_prompt(
     model: TransformerLM, tokenizer: CharTokenizer | None, text: str, flag: str
 ) -> tuple[np.ndarray, list[str]]:
@@ -206,9 +235,17 @@ def read_prompt(
                 "tokenizer.json to read characters with)"
             )
         ids, labels = np.array([int(w) for w in words], np.int32), words
-    if not 1 <= len(ids) <= model.config.max_len:
-        raise ConfigError(f"{flag}={text!r}: {len(ids)} tokens; the model reads 1 to {model.config.max_len}")
+    check_prompt_length(model, ids, text, flag)
     return ids, labels
+
+
+def run_prompts(model: TransformerLM, workdir: str | pathlib.Path) -> PromptReader:
+    """How a run in `workdir` reads prompts (`read_prompt`): characters with its tokenizer.json
+    (a char LM's), token ids without one."""
+    path = pathlib.Path(workdir) / TOKENIZER_FILE
+    tokenizer = CharTokenizer.load(path) if path.is_file() else None
+    label = str if tokenizer is None else lambda token: tokenizer.chars[token]
+    return PromptReader(lambda text, flag: read_prompt(model, tokenizer, text, flag), label)
 
 
 def head_patching(model: TransformerLM, params: Any, clean: np.ndarray, corrupted: np.ndarray) -> dict:
@@ -248,42 +285,47 @@ def head_patching(model: TransformerLM, params: Any, clean: np.ndarray, corrupte
     }
 
 
-def patching_data(
-    model: Any, frame: tuple[int, Any], workdir: str | pathlib.Path, prompts: tuple[str, str] | None
-) -> dict:
-    """The page's `patching` and `patching_note` entries: for a TransformerLM and `prompts` =
-    (clean, corrupted) text (`read_prompt`, the same number of tokens), `head_patching` at
-    `frame` = (step, params), the newest checkpoint; otherwise None and a note saying why."""
-    if not isinstance(model, TransformerLM):
-        name = type(model).__name__
-        return {
-            "patching": None,
-            "patching_note": f"Activation patching needs a language model, not a {name}.",
-        }
-    if prompts is None:
-        note = f"No patching heat map: `{PATCHING_COMMAND}` adds one for two prompts of as many tokens"
-        return {"patching": None, "patching_note": f"{note} ({PATCHING_RULE})."}
-    path = pathlib.Path(workdir) / TOKENIZER_FILE
-    tokenizer = CharTokenizer.load(path) if path.is_file() else None
+def read_patching_prompts(
+    reader: PromptReader, prompts: tuple[str, str]
+) -> tuple[tuple[np.ndarray, list[str]], tuple[np.ndarray, list[str]]]:
+    """The (clean, corrupted) prompts' (ids, labels), read by `reader`; ConfigError unless they
+    have as many tokens."""
     (clean, clean_labels), (corrupted, corrupted_labels) = (
-        read_prompt(model, tokenizer, text, flag)
-        for text, flag in zip(prompts, ("--clean", "--corrupted"), strict=True)
+        reader.read(text, flag) for text, flag in zip(prompts, ("--clean", "--corrupted"), strict=True)
     )
     if len(clean) != len(corrupted):
         raise ConfigError(
             f"--corrupted={prompts[1]!r}: {len(corrupted)} tokens, but --clean has {len(clean)}; patching "
             "replaces each position's activation, so the two must be the same length"
         )
+    return (clean, clean_labels), (corrupted, corrupted_labels)
+
+
+def patching_data(
+    model: Any, frame: tuple[int, Any], prompts: tuple[str, str] | None, reader: PromptReader | None
+) -> dict:
+    """The page's `patching` and `patching_note` entries: for a TransformerLM and `prompts` =
+    (clean, corrupted) text (read by `reader`, the same number of tokens), `head_patching` at
+    `frame` = (step, params), the newest checkpoint; otherwise None and a note saying why."""
+    if not isinstance(model, TransformerLM) or reader is None:
+        name = type(model).__name__
+        return {
+            "patching": None,
+            "patching_note": f"Activation patching needs a language model, not a {name}.",
+        }
+    if prompts is None:
+        note = f"No patching heat map: `{reader.command}` adds one for two prompts of as many tokens"
+        return {"patching": None, "patching_note": f"{note} ({PATCHING_RULE})."}
+    (clean, clean_labels), (corrupted, corrupted_labels) = read_patching_prompts(reader, prompts)
     step, params = frame
     measured = head_patching(model, params, clean, corrupted)
-    label = str if tokenizer is None else lambda token: tokenizer.chars[token]
     return {
         "patching": {
             "step": int(step),
             "clean": clean_labels,
             "corrupted": corrupted_labels,
-            "answer": label(measured["answer"]),
-            "contrast": label(measured["contrast"]),
+            "answer": reader.label(measured["answer"]),
+            "contrast": reader.label(measured["contrast"]),
             "clean_difference": measured["clean_difference"],
             "corrupted_difference": measured["corrupted_difference"],
             "restored": measured["restored"].tolist(),

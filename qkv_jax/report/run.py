@@ -7,6 +7,10 @@ report_run(workdir)         loss.png, the experiment's pictures of the newest
                             explorer page (`write_explorer_page`)
 inspect_run(workdir, text)  attention_maps.png: every layer and head of the
                             newest checkpoint on one input
+page_data(source, inputs, frames, metrics)
+                            the explorer page's data for any model (`PageSource`):
+                            a run's (`run_page_data`) or a Hugging Face checkpoint's
+                            (`qkv_jax.report.pretrained`)
 
 The explorer page shows the task's inputs (`Setup.explorer_inputs`: for the
 flag task fresh examples with the flag marked, for the char LM a prompt and
@@ -26,6 +30,7 @@ head's sink mass.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,16 +40,25 @@ import jax
 import numpy as np
 
 from qkv_jax.diagnostics import sink_mass
-from qkv_jax.lm import TransformerConfig, layer_windows
-from qkv_jax.report.circuits import circuit_data, patching_data
+from qkv_jax.lm import TransformerConfig, TransformerLM, layer_windows
+from qkv_jax.report.circuits import PromptReader, circuit_data, patching_data, run_prompts
 from qkv_jax.report.explorer import write_run_page
 from qkv_jax.training.checkpoints import Checkpoints, NoCheckpointError, read_params
 from qkv_jax.training.loop import seed_keys
-from qkv_jax.training.setup import Setup, build_setup
+from qkv_jax.training.setup import AttentionView, Setup, build_setup
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import check_workdir_path, plain, read_json, read_metrics, write_json
 
-__all__ = ["MAX_CHECKPOINTS", "load_run", "report_run", "write_explorer_page", "inspect_run", "is_sweep"]
+__all__ = [
+    "MAX_CHECKPOINTS",
+    "PageSource",
+    "load_run",
+    "page_data",
+    "report_run",
+    "write_explorer_page",
+    "inspect_run",
+    "is_sweep",
+]
 
 MAX_CHECKPOINTS = 12
 
@@ -198,11 +212,11 @@ def _diagnostics(metrics: dict, variants: dict[str, np.ndarray]) -> dict:
     return {"columns": columns, "rows": rows, "labels": labels}
 
 
-def _variant_columns(setup: Setup, views: Sequence[Any]) -> dict[str, np.ndarray]:
+def _variant_columns(model: Any, views: Sequence[Any]) -> dict[str, np.ndarray]:
     """Columns `[layers, N]` a TransformerLM's attention variants add to the diagnostics: with a
     sliding window, each layer's `window` (keys each query sees; NaN for a global layer), and
     with sinks each head's `sink_mass` on the explorer's inputs at the newest checkpoint."""
-    config = getattr(setup.model, "config", None)
+    config = getattr(model, "config", None)
     if not isinstance(config, TransformerConfig):
         return {}
     columns = {}
@@ -234,18 +248,63 @@ def run_page_data(
     `patching` = (clean, corrupted) prompts."""
     if setup.inspect is None or setup.explorer_inputs is None:
         raise ValueError(f"task.module={config['task']['module']!r}: the task has no attention to explore")
-    inputs = setup.explorer_inputs(setup.data, prompt)
+    workdir = pathlib.Path(workdir)
+    reader = run_prompts(setup.model, workdir) if isinstance(setup.model, TransformerLM) else None
+    return page_data(
+        PageSource(
+            title=str(config.get("experiment", config["task"]["name"])),
+            subtitle=f"{workdir.name}: checkpoint step {frames[-1][0]}",
+            config=config,
+            model=setup.model,
+            inspect=setup.inspect,
+            curves=_curves(workdir),
+            prompts=reader,
+        ),
+        setup.explorer_inputs(setup.data, prompt),
+        frames,
+        metrics,
+        notes,
+        patching,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PageSource:
+    """What the explorer page shows of one model besides its inputs and parameters: the page's
+    `title`, `subtitle` and `config`, the `model` (for the circuits view), `inspect(params,
+    text) -> AttentionView`, the loss `curves` ({} for none) and how patching prompts are read
+    (`prompts`, None where the model reads no text)."""
+
+    title: str
+    subtitle: str
+    config: dict
+    model: Any
+    inspect: Callable[[Any, str | None], AttentionView]
+    curves: dict
+    prompts: PromptReader | None
+
+
+def page_data(
+    source: PageSource,
+    inputs: Sequence[tuple[str, str]],
+    frames: list[tuple[int, Any]],
+    metrics: dict,
+    notes: Sequence[str] = (),
+    patching: tuple[str, str] | None = None,
+) -> dict:
+    """The explorer page's data for `source` on `inputs` [(name, text)] at `frames` [(step,
+    params)] (oldest first), with the head diagnostics in `metrics` (`head_*` entries) and a
+    patching heat map of the newest frame for `patching` = (clean, corrupted) prompts."""
     checkpoints, views = [], []
     for step, params in frames:
-        views = [setup.inspect(params, text) for _, text in inputs]
+        views = [source.inspect(params, text) for _, text in inputs]
         attention = [np.stack([np.asarray(w) for w in view.maps.values()]) for view in views]  # [L, N, T, S]
         checkpoints.append({"step": int(step), "attention": attention})
-    workdir = pathlib.Path(workdir)
     return {
-        "title": str(config.get("experiment", config["task"]["name"])),
-        "subtitle": f"{workdir.name}: checkpoint step {frames[-1][0]}",
-        "config": config,
-        "curves": _curves(workdir),
+        "title": source.title,
+        "subtitle": source.subtitle,
+        "config": source.config,
+        "curves": source.curves,
         "layers": list(views[0].maps),
         "num_heads": int(np.asarray(next(iter(views[0].maps.values()))).shape[0]),
         "examples": [
@@ -258,11 +317,11 @@ def run_page_data(
             for (name, _), view in zip(inputs, views, strict=True)
         ],
         "checkpoints": checkpoints,
-        "diagnostics": _diagnostics(jax.device_get(metrics), _variant_columns(setup, views)),
+        "diagnostics": _diagnostics(jax.device_get(metrics), _variant_columns(source.model, views)),
         "notes": list(notes),
         "circuits": {
-            **circuit_data(setup.model, frames),
-            **patching_data(setup.model, frames[-1], workdir, patching),
+            **circuit_data(source.model, frames),
+            **patching_data(source.model, frames[-1], patching, source.prompts),
         },
     }
 
