@@ -28,6 +28,8 @@ PUBLIC_MODULES = [
     "qkv_jax.tasks.flag_retrieval",
     "qkv_jax.tasks.sequences",
     "qkv_jax.tasks.char_lm",
+    "qkv_jax.tasks.pretrained_text",
+    "qkv_jax.pretrained",
     "qkv_jax.training",
     "qkv_jax.nnx",
     "qkv_jax.interpretability",
