@@ -2,7 +2,11 @@ r"""qkv_jax beside transformers on a random Qwen2.5-0.5B-shaped model, float32 o
 pass with every activation cached, and one LoRA fine-tuning step.
 
   pip install peft   # transformers' side of the LoRA step (a benchmark-only dependency)
-  python benchmarks/versus_transformers.py [--rounds 2] [--tokens 512] [--steps 3]
+  python benchmarks/versus_transformers.py [--parts cache,lora] [--rounds 2] [--tokens 512] [--steps 3]
+
+The results in docs/benchmarks.md came from `--parts cache --rounds 1 --steps 2` and `--parts lora
+--rounds 1 --steps 2 --tokens 256` (the LoRA step at 256 tokens and one round of each to fit the
+time a shared 2-core machine allowed; each results file records its command).
 
 transformers builds the model (Qwen2Config with Qwen2.5-0.5B's fields set explicitly: 24 layers,
 d_model 896, 14 query and 2 key/value heads of 64, MLP 4864, a 151936-token vocabulary, tied
@@ -165,6 +169,7 @@ def qkv_jax_cache(directory: str, tokens):
             kind = name.split(".", 2)[-1] if name.startswith("blocks.") else name
             kinds[kind] = kinds.get(kind, 0) + array.nbytes
         return {
+            "parameter_bytes": sum(a.nbytes for a in jax.tree.leaves(params)),
             "names": len(cache),
             "output_bytes": logits.nbytes + sum(kinds.values()),
             "bytes_by_kind": {"logits": logits.nbytes, **kinds},
@@ -190,6 +195,7 @@ def transformers_cache(directory: str, tokens):
             out = model(inputs, output_hidden_states=True, output_attentions=True)
         arrays = [out.logits, *out.hidden_states, *out.attentions]
         return {
+            "parameter_bytes": sum(p.nbytes for p in model.parameters()),
             "names": len(out.hidden_states) + len(out.attentions),
             "output_bytes": sum(  # each storage once
                 {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in arrays}.values()
@@ -257,7 +263,11 @@ def qkv_jax_lora(directory: str, tokens):
         state["adapters"], state["opt_state"], loss = jax.block_until_ready(
             step(state["adapters"], state["opt_state"], frozen, tokens)
         )
-        return {"loss": float(loss), "trainable": sum(a.size for a in jax.tree.leaves(state["adapters"]))}
+        return {
+            "loss": float(loss),
+            "trainable": sum(a.size for a in jax.tree.leaves(state["adapters"])),
+            "parameter_bytes": sum(a.nbytes for a in jax.tree.leaves((frozen, state["adapters"]))),
+        }
 
     forward = jax.jit(loss_fn)
 
@@ -296,6 +306,7 @@ def transformers_lora(directory: str, tokens):
         return {
             "loss": float(loss),
             "trainable": sum(p.numel() for p in trainable),
+            "parameter_bytes": sum(p.nbytes for p in model.parameters()),
             "attention": model.config._attn_implementation,
         }
 
@@ -443,9 +454,8 @@ def main() -> None:
         for path in directory.glob("*.safetensors"):  # into the page cache, for every case alike
             path.read_bytes()
         agreement = child(["--check", str(directory)])
-        print(
-            f"logits on {agreement['tokens']} tokens: relative difference {agreement['relative_difference']:.2e}"
-        )
+        relative = agreement["relative_difference"]
+        print(f"logits on {agreement['tokens']} tokens: relative difference {relative:.2e}")
         if agreement["relative_difference"] > 1e-4:
             raise SystemExit("qkv_jax's and transformers' logits differ: the comparison would not be honest")
         runs = {part: {case: [] for case in cases[part]} for part in parts}
@@ -487,6 +497,18 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
     time_ratio = ours["seconds"] / theirs["seconds"]
     peak_ratio = ours["steps_peak_above_baseline_bytes"] / theirs["steps_peak_above_baseline_bytes"]
     whole_ratio = ours["peak_above_baseline_bytes"] / theirs["peak_above_baseline_bytes"]
+
+    def gb(value: float) -> str:
+        return f"{value / gib:.2f}"
+
+    def memory(s: dict, returned: bool) -> str:
+        kept = s["last"]["parameter_bytes"] + (s["last"]["output_bytes"] if returned else 0)
+        what = "parameters and returned arrays" if returned else "parameters"
+        return (
+            f"{gb(s['steps_peak_above_baseline_bytes'])} GiB peak = {gb(kept)} GiB of {what} + "
+            f"{gb(s['steps_peak_above_baseline_bytes'] - kept)} GiB else"
+        )
+
     if part == "cache":
         what = (
             f"One forward pass of {args.tokens} tokens (batch 1) returning the logits and every activation: "
@@ -495,67 +517,74 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
             f"with output_hidden_states and output_attentions ({theirs['last']['names']} arrays)."
         )
         plain = "forward without outputs (s)"
-        extra = ("returned (GiB)", lambda s: f"{s['last']['output_bytes'] / gib:.2f}")
+        extra = ("returned (GiB)", lambda s: gb(s["last"]["output_bytes"]))
         kinds = sorted(ours["last"]["bytes_by_kind"].items(), key=lambda item: -item[1])
         where = (
-            f"Where it goes: qkv_jax's forward alone (jax.jit of apply, no cache) takes {ours['plain_seconds']:.2f} s "
-            f"and transformers' eager forward without outputs {theirs['plain_seconds']:.2f} s; qkv_jax's cache "
-            f"returns {ours['last']['output_bytes'] / gib:.2f} GiB (largest: "
-            + ", ".join(f"{kind} {size / gib:.2f}" for kind, size in kinds[:4])
-            + f" GiB) against transformers' {theirs['last']['output_bytes'] / gib:.2f} GiB ("
-            + ", ".join(f"{kind} {size / gib:.2f}" for kind, size in theirs["last"]["bytes_by_kind"].items())
-            + " GiB)."
+            "Where it goes: the forward alone (no cache, no extra outputs) takes "
+            f"{ours['plain_seconds']:.2f} s in qkv_jax (jax.jit of apply) and "
+            f"{theirs['plain_seconds']:.2f} s in transformers (eager). "
+            f"qkv_jax's cache returns {gb(ours['last']['output_bytes'])} GiB (largest: "
+            + ", ".join(f"{kind} {gb(size)}" for kind, size in kinds[:4])
+            + f" GiB) against transformers' {gb(theirs['last']['output_bytes'])} GiB ("
+            + ", ".join(f"{kind} {gb(size)}" for kind, size in theirs["last"]["bytes_by_kind"].items())
+            + f" GiB). qkv_jax: {memory(ours, True)}; transformers: {memory(theirs, True)}."
         )
     else:
         what = (
-            f"One training step on batch 1 of {args.tokens} tokens: forward, backward and AdamW (learning rate "
-            f"{LEARNING_RATE}) on rank-{LORA_RANK} adapters (alpha {LORA_ALPHA:g}) of the q/k/v/o projections "
-            f"({ours['last']['trainable']:,} trainable parameters in qkv_jax, {theirs['last']['trainable']:,} in "
-            "peft), next-token cross-entropy. qkv_jax: a jitted step differentiating the adapters only, optax.adamw, "
-            "adapters and optimizer state donated; transformers: peft's LoraConfig on from_pretrained's model "
+            f"One training step on batch 1 of {args.tokens} tokens: forward, backward and AdamW "
+            f"(learning rate {LEARNING_RATE}) on rank-{LORA_RANK} adapters (alpha {LORA_ALPHA:g}) of the "
+            f"q/k/v/o projections ({ours['last']['trainable']:,} trainable parameters in qkv_jax, "
+            f"{theirs['last']['trainable']:,} in peft), next-token cross-entropy. qkv_jax: a jitted step "
+            "differentiating the adapters only, optax.adamw, adapters and optimizer state donated; "
+            "transformers: peft's LoraConfig on from_pretrained's model "
             f"(attention {theirs['last']['attention']}), torch.optim.AdamW."
         )
         plain = "forward of the loss alone (s)"
-        extra = ("loss after the steps", lambda s: f"{s['last']['loss']:.4f}")
+        extra = ("loss after the timed steps", lambda s: f"{s['last']['loss']:.4f}")
         where = (
             f"Where it goes: the forward of the loss alone takes {ours['plain_seconds']:.2f} s of qkv_jax's "
             f"{ours['seconds']:.2f} s step and {theirs['plain_seconds']:.2f} s of transformers' "
-            f"{theirs['seconds']:.2f} s."
+            f"{theirs['seconds']:.2f} s. qkv_jax: {memory(ours, False)} (activations, gradients, "
+            f"temporaries); transformers: {memory(theirs, False)}."
         )
     first_losses = ""
     if part == "lora":
         first_losses = (
-            f" The first step's loss (adapters' B at zero, so the base model's): qkv_jax "
+            " The first step's loss (adapters' B at zero, so the base model's): qkv_jax "
             f"{median([r['first']['loss'] for r in runs['qkv_jax']]):.4f}, transformers "
             f"{median([r['first']['loss'] for r in runs['transformers']]):.4f}."
         )
     threads = runs["transformers"][0]["threads"]
+    before = ", ".join(f"{x:.1f}" for x in load["before"])
+    after = ", ".join(f"{x:.1f}" for x in load["after"])
     table = [
-        f"{what} Model: a random Qwen2.5-0.5B-shaped checkpoint written by transformers (24 layers, d_model 896, "
-        "14/2 heads of 64, MLP 4864, 151936-token vocabulary, tied embeddings), float32, read by "
-        "qkv_jax.load_pretrained; on "
-        f"{agreement['tokens']} tokens the two libraries' logits differ by {agreement['relative_difference']:.1e} "
-        f"of the largest logit.{first_losses} Each case in a fresh process, {args.rounds} rounds alternating, "
-        f"{args.steps} timed calls per process after a first call (qkv_jax: its compile); median time, largest "
-        "peak resident memory above the process's memory after imports. Threads: transformers "
-        f"torch.set_num_threads({threads['torch_num_threads']}) (interop {threads['torch_num_interop_threads']}), "
-        f"qkv_jax XLA's default (one thread per core, {os.cpu_count()} cores, XLA_FLAGS empty). Load average "
-        f"(1, 5, 15 min) {', '.join(f'{x:.1f}' for x in load['before'])} before and "
-        f"{', '.join(f'{x:.1f}' for x in load['after'])} after; other work shared the machine, so times are noisy.",
+        f"{what} Model: a random Qwen2.5-0.5B-shaped checkpoint written by transformers "
+        f"({args.layers} layers, d_model 896, 14/2 heads of {HEAD_DIM}, MLP 4864, 151936-token vocabulary, "
+        "tied embeddings), float32, read by qkv_jax.load_pretrained; on "
+        f"{agreement['tokens']} tokens the two libraries' logits differ by "
+        f"{agreement['relative_difference']:.1e} of the largest logit.{first_losses} Each case in a fresh "
+        f"process, {args.rounds} rounds alternating, {args.steps} timed calls per process after a first "
+        "call (qkv_jax: its compile); median time, largest peak resident memory above the process's memory "
+        "after imports. Threads: transformers "
+        f"torch.set_num_threads({threads['torch_num_threads']}) "
+        f"(interop {threads['torch_num_interop_threads']}), qkv_jax XLA's default (one thread per core, "
+        f"{os.cpu_count()} cores, XLA_FLAGS empty). Load average (1, 5, 15 min) {before} before and "
+        f"{after} after; other work shared the machine, so times are noisy.",
         "",
         f"| case | time per call (s) | first call (s) | {plain} | peak during the timed calls (GiB) "
         f"| peak of the whole process (GiB) | {extra[0]} |",
         "|---|---|---|---|---|---|---|",
         *(
-            f"| {NAMES[case]} | {s['seconds']:.2f} | {s['first_call_seconds']:.2f} | {s['plain_seconds']:.2f} | "
-            f"{s['steps_peak_above_baseline_bytes'] / gib:.2f} | {s['peak_above_baseline_bytes'] / gib:.2f} | "
-            f"{extra[1](s)} |"
+            f"| {NAMES[case]} | {s['seconds']:.2f} | {s['first_call_seconds']:.2f} | "
+            f"{s['plain_seconds']:.2f} | {gb(s['steps_peak_above_baseline_bytes'])} | "
+            f"{gb(s['peak_above_baseline_bytes'])} | {extra[1](s)} |"
             for case, s in summary.items()
         ),
         "",
-        f"Goal stated by the team: no slower and no larger. Measured: qkv_jax's time is "
+        "Goal stated by the team: no slower and no larger. Measured: qkv_jax's time is "
         f"{verdict(time_ratio, 'slower', 'faster')} than transformers', its peak during the calls "
-        f"{verdict(peak_ratio, 'larger', 'smaller')}, its whole process's peak {verdict(whole_ratio, 'larger', 'smaller')}.",
+        f"{verdict(peak_ratio, 'larger', 'smaller')}, its whole process's peak "
+        f"{verdict(whole_ratio, 'larger', 'smaller')}.",
         "",
         where,
     ]
@@ -563,8 +592,9 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
         "qkv_jax / transformers time per call": time_ratio,
         "qkv_jax / transformers peak during the timed calls": peak_ratio,
         "qkv_jax / transformers peak of the whole process": whole_ratio,
-        "qkv_jax / transformers first call (qkv_jax: compile)": ours["first_call_seconds"]
-        / theirs["first_call_seconds"],
+        "qkv_jax / transformers first call (qkv_jax: compile)": (
+            ours["first_call_seconds"] / theirs["first_call_seconds"]
+        ),
     }
     if "qkv_jax_tcmalloc" in summary:
         tc = summary["qkv_jax_tcmalloc"]
@@ -577,8 +607,8 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
         print(f"{name}: {value:.2f}")
     path = write_results(
         f"{part}_vs_transformers",
-        f"python benchmarks/versus_transformers.py --parts {part} --rounds {args.rounds} --tokens {args.tokens} "
-        f"--steps {args.steps}",
+        f"python benchmarks/versus_transformers.py --parts {part} --rounds {args.rounds} "
+        f"--tokens {args.tokens} --steps {args.steps}",
         {
             "title": TITLES[part],
             "table": table,
