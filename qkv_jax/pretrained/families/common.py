@@ -8,6 +8,7 @@ layouts of Hugging Face tensors against qkv_jax's.
   Tensor           one parameter: its linen path, its Hugging Face name and the layout between them
   read_tensors     the tensors of a table, read one at a time, in the linen layout
   write_tensors    the same table backwards: the Hugging Face tensors of linen parameters
+  skip_stored      marks a checkpoint's buffers and a tied head's copy as deliberately unused
 
 Layouts: a torch `nn.Linear` weight is `[out, in]`; qkv_jax's kernels are `[in, out]`, and the
 attention's are `[D, N, H]` (query/key/value, `N` heads of `H` dims) and `[N, H, D]` (out). The
@@ -93,6 +94,13 @@ def activation(hf: ConfigReader, field: str, default: str) -> str:
     """TransformerConfig.mlp_activation of the Hugging Face activation `field` (absent: `default`,
     the family's); ValueError naming the field for one qkv_jax does not compute."""
     return ACTIVATIONS[hf.accept(field, default, *(name for name in ACTIVATIONS if name != default))]
+
+
+def attention_biases(hf: ConfigReader) -> dict[str, Any]:
+    """qkv_bias and out_bias of the families whose `attention_bias` (default False) puts biases on
+    all four attention projections."""
+    bias = hf.accept("attention_bias", False, True)
+    return dict(qkv_bias=bias, out_bias=bias)
 
 
 def hf_activation(config: TransformerConfig) -> str:
@@ -218,6 +226,21 @@ def read_tensors(table: Iterable[Tensor], tensors: TensorSource) -> Iterator[tup
             entry.path,
             np.ascontiguousarray(LAYOUTS[entry.layout].load(tensors.get(entry.name), entry.heads)),
         )
+
+
+def skip_stored(
+    tensors: TensorSource, config: TransformerConfig, head: str, buffers: Iterable[str] = ()
+) -> None:
+    """Marks as deliberately unused the `buffers` the checkpoint stores and, when `config` ties the
+    head to the token embedding, the stored copy `head` of the embedding."""
+    for name in [*buffers, head] if config.tie_embeddings else buffers:
+        if tensors.has(name):
+            tensors.skip(name)
+
+
+def qkv_arrays(params: Mapping[str, Any], block: int, leaf: str) -> list[np.ndarray]:
+    """The query's, key's and value's linen parameter `leaf` ("kernel", "bias") of block `block`."""
+    return [array(params, f"block_{block}/attention/{name}/{leaf}") for name in ("query", "key", "value")]
 
 
 def array(params: Mapping[str, Any], path: str) -> np.ndarray:

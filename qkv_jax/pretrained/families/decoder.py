@@ -31,6 +31,7 @@ from qkv_jax.pretrained.families.common import (
     norm_tensors,
     read_tensors,
     rope_parameters,
+    skip_stored,
     write_tensors,
 )
 
@@ -135,11 +136,8 @@ def decoder_tensors(config: TransformerConfig) -> list[Tensor]:
 def from_decoder(config: TransformerConfig, tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
     """The linen parameters of a Llama-shaped checkpoint; a tied model's stored `lm_head.weight`
     (a copy of the embedding) and old checkpoints' `rotary_emb.inv_freq` buffers are skipped."""
-    if config.tie_embeddings and tensors.has("lm_head.weight"):
-        tensors.skip("lm_head.weight")
-    for i in range(config.num_layers):
-        if tensors.has(f"model.layers.{i}.self_attn.rotary_emb.inv_freq"):
-            tensors.skip(f"model.layers.{i}.self_attn.rotary_emb.inv_freq")
+    buffers = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(config.num_layers)]
+    skip_stored(tensors, config, "lm_head.weight", buffers)
     yield from read_tensors(decoder_tensors(config), tensors)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from qkv_jax.lm import TransformerConfig, head_dim_of
 from qkv_jax.pretrained.families.common import (
     ConfigReader,
+    attention_biases,
     hf_activation,
     layer_types,
     sliding_window,
@@ -34,13 +35,12 @@ def gemma_fields(
     `soft_caps` the defaults of (attn_logit_softcapping, final_logit_softcapping)."""
     hf.accept("use_bidirectional_attention", None, False)
     hf.get("hidden_act")  # transformers' Gemma 2 and 3 read hidden_activation only
-    bias = hf.accept("attention_bias", False, True)
+    biases = attention_biases(hf)
     width = fields["head_dim"] or fields["d_model"] // fields["num_heads"]
     scalar = hf.get("query_pre_attn_scalar", 256)
     return dict(
         fields,
-        qkv_bias=bias,
-        out_bias=bias,
+        **biases,
         norm="rms_offset",
         norm_placement="sandwich",
         embedding_scale=fields["d_model"] ** 0.5,
@@ -48,6 +48,20 @@ def gemma_fields(
         attn_logits_soft_cap=hf.get("attn_logit_softcapping", soft_caps[0]),
         final_logit_soft_cap=hf.get("final_logit_softcapping", soft_caps[1]),
         window=windows(hf.get("layer_types") or types, hf.get("sliding_window", 4096)),
+    )
+
+
+def gemma_decoder_fields(hf: ConfigReader, max_len: int, **rope: Any) -> dict[str, Any]:
+    """`decoder_fields` with Gemma 2 and 3's defaults; `rope` its RoPE keywords."""
+    return decoder_fields(
+        hf,
+        num_kv_heads=4,
+        head_dim=256,
+        max_len=max_len,
+        activation_field="hidden_activation",
+        activation_default="gelu_pytorch_tanh",
+        tie_embeddings=True,
+        **rope,
     )
 
 
@@ -69,15 +83,7 @@ def gemma_hf_config(config: TransformerConfig, model_type: str, architecture: st
 
 def to_config(hf: ConfigReader) -> TransformerConfig:
     """The TransformerConfig of a Gemma 2 config.json."""
-    fields = decoder_fields(
-        hf,
-        num_kv_heads=4,
-        head_dim=256,
-        max_len=8192,
-        activation_field="hidden_activation",
-        activation_default="gelu_pytorch_tanh",
-        tie_embeddings=True,
-    )
+    fields = gemma_decoder_fields(hf, 8192)
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(fields["num_layers"])]
     hf.get("cache_implementation")  # a generation setting
     return TransformerConfig(**gemma_fields(hf, fields, types, (50.0, 30.0)))

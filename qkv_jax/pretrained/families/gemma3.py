@@ -13,8 +13,8 @@ from typing import Any
 
 from qkv_jax.lm import TransformerConfig
 from qkv_jax.pretrained.families.common import ConfigReader, rope_parameters
-from qkv_jax.pretrained.families.decoder import decoder_fields, from_decoder, to_decoder
-from qkv_jax.pretrained.families.gemma2 import gemma_fields, gemma_hf_config
+from qkv_jax.pretrained.families.decoder import from_decoder, to_decoder
+from qkv_jax.pretrained.families.gemma2 import gemma_decoder_fields, gemma_fields, gemma_hf_config
 
 # The tensors: the Llama-shaped decoder's names and layouts.
 from_hf, to_hf = from_decoder, to_decoder
@@ -26,17 +26,7 @@ GLOBAL_BASE, LOCAL_BASE = 1e6, 1e4  # transformers' RoPE bases of the global and
 
 def to_config(hf: ConfigReader) -> TransformerConfig:
     """The TransformerConfig of a Gemma 3 text config.json."""
-    fields = decoder_fields(
-        hf,
-        num_kv_heads=4,
-        head_dim=256,
-        max_len=131072,
-        activation_field="hidden_activation",
-        activation_default="gelu_pytorch_tanh",
-        tie_embeddings=True,
-        default_base=GLOBAL_BASE,
-        rope_kinds=KINDS,
-    )
+    fields = gemma_decoder_fields(hf, 131072, default_base=GLOBAL_BASE, rope_kinds=KINDS)
     pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
     types = [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(fields["num_layers"])

@@ -19,18 +19,8 @@ from typing import Any
 import numpy as np
 
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import (
-    ConfigReader,
-    Tensor,
-    TensorSource,
-    activation,
-    array,
-    dense_tensors,
-    hf_activation,
-    norm_tensors,
-    read_tensors,
-    write_tensors,
-)
+from qkv_jax.pretrained.families import common
+from qkv_jax.pretrained.families.common import ConfigReader, Tensor, TensorSource
 
 MODEL_TYPES = ("gpt2",)
 ACTIVATION_DEFAULT = "gelu_new"
@@ -56,7 +46,7 @@ def to_config(hf: ConfigReader) -> TransformerConfig:
         positions="learned",
         norm="layernorm",
         norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        mlp_activation=activation(hf, "activation_function", ACTIVATION_DEFAULT),
+        mlp_activation=common.activation(hf, "activation_function", ACTIVATION_DEFAULT),
         attention_scale=None if hf.accept("scale_attn_weights", True, False) else 1.0,
         tie_embeddings=hf.get("tie_word_embeddings", True),
         attention_dropout_rate=hf.get("attn_pdrop", 0.1),
@@ -78,26 +68,25 @@ def _tensors(config: TransformerConfig, prefix: str) -> list[Tensor]:
     ]
     for i in range(config.num_layers):
         block, layer = f"block_{i}", f"{prefix}h.{i}"
-        table += norm_tensors(f"{block}/attention_norm", f"{layer}.ln_1", True)
-        table += dense_tensors(f"{block}/attention/out", f"{layer}.attn.c_proj", True, "conv1d_heads_out", N)
-        table += norm_tensors(f"{block}/mlp_norm", f"{layer}.ln_2", True)
-        table += dense_tensors(f"{block}/mlp_in", f"{layer}.mlp.c_fc", True, "conv1d")
-        table += dense_tensors(f"{block}/mlp_out", f"{layer}.mlp.c_proj", True, "conv1d")
-    table += norm_tensors("final_norm", f"{prefix}ln_f", True)
+        table += common.norm_tensors(f"{block}/attention_norm", f"{layer}.ln_1", True)
+        table += common.dense_tensors(
+            f"{block}/attention/out", f"{layer}.attn.c_proj", True, "conv1d_heads_out", N
+        )
+        table += common.norm_tensors(f"{block}/mlp_norm", f"{layer}.ln_2", True)
+        table += common.dense_tensors(f"{block}/mlp_in", f"{layer}.mlp.c_fc", True, "conv1d")
+        table += common.dense_tensors(f"{block}/mlp_out", f"{layer}.mlp.c_proj", True, "conv1d")
+    table += common.norm_tensors("final_norm", f"{prefix}ln_f", True)
     return table if config.tie_embeddings else [*table, Tensor("head/kernel", "lm_head.weight", "linear")]
 
 
 def from_hf(config: TransformerConfig, tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
     """The linen parameters of a GPT-2 checkpoint."""
     prefix, N = _prefix(tensors), config.num_heads
-    for name in [
-        f"{prefix}h.{i}.attn.{buffer}" for i in range(config.num_layers) for buffer in ("bias", "masked_bias")
-    ]:
-        if tensors.has(name):
-            tensors.skip(name)
-    if config.tie_embeddings and tensors.has("lm_head.weight"):
-        tensors.skip("lm_head.weight")
-    yield from read_tensors(_tensors(config, prefix), tensors)
+    buffers = [
+        f"{prefix}h.{i}.attn.{name}" for i in range(config.num_layers) for name in ("bias", "masked_bias")
+    ]
+    common.skip_stored(tensors, config, "lm_head.weight", buffers)
+    yield from common.read_tensors(_tensors(config, prefix), tensors)
     for i in range(config.num_layers):
         weight = tensors.get(f"{prefix}h.{i}.attn.c_attn.weight")  # (D, 3 N*H)
         bias = tensors.get(f"{prefix}h.{i}.attn.c_attn.bias")  # (3 N*H,)
@@ -109,13 +98,10 @@ def from_hf(config: TransformerConfig, tensors: TensorSource) -> Iterator[tuple[
 
 def to_hf(config: TransformerConfig, params: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
     """The Hugging Face tensors (save_pretrained's names) of a GPT-2-shaped model."""
-    yield from write_tensors(_tensors(config, "transformer."), params)
+    yield from common.write_tensors(_tensors(config, "transformer."), params)
     for i in range(config.num_layers):
-        attention = f"block_{i}/attention"
-        kernels = [
-            array(params, f"{attention}/{name}/kernel") for name in ("query", "key", "value")
-        ]  # (D, N, H)
-        biases = [array(params, f"{attention}/{name}/bias") for name in ("query", "key", "value")]  # (N, H)
+        kernels = common.qkv_arrays(params, i, "kernel")  # (D, N, H)
+        biases = common.qkv_arrays(params, i, "bias")  # (N, H)
         yield (
             f"transformer.h.{i}.attn.c_attn.weight",
             np.concatenate([k.reshape(k.shape[0], -1) for k in kernels], 1),
@@ -135,7 +121,7 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
         n_inner=config.mlp_dim,
         n_positions=config.max_len,
         layer_norm_epsilon=config.norm_epsilon,
-        activation_function=hf_activation(config),
+        activation_function=common.hf_activation(config),
         scale_attn_weights=config.attention_scale is None,
         tie_word_embeddings=config.tie_embeddings,
         attn_pdrop=config.attention_dropout_rate,

@@ -18,19 +18,8 @@ from typing import Any
 import numpy as np
 
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import (
-    ConfigReader,
-    Tensor,
-    TensorSource,
-    activation,
-    array,
-    dense_tensors,
-    hf_activation,
-    norm_tensors,
-    read_tensors,
-    rope_parameters,
-    write_tensors,
-)
+from qkv_jax.pretrained.families import common
+from qkv_jax.pretrained.families.common import ConfigReader, Tensor, TensorSource
 
 MODEL_TYPES = ("gpt_neox",)
 BUFFERS = ("bias", "masked_bias", "rotary_emb.inv_freq")
@@ -65,7 +54,7 @@ def to_config(hf: ConfigReader) -> TransformerConfig:
         norm="layernorm",
         norm_epsilon=hf.get("layer_norm_eps", 1e-5),
         parallel_block=hf.accept("use_parallel_residual", True, False),
-        mlp_activation=activation(hf, "hidden_act", "gelu"),
+        mlp_activation=common.activation(hf, "hidden_act", "gelu"),
         qkv_bias=bias,
         out_bias=bias,
         tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -79,32 +68,27 @@ def _tensors(config: TransformerConfig) -> list[Tensor]:
     table = [Tensor("token_embedding/embedding", "gpt_neox.embed_in.weight")]
     for i in range(config.num_layers):
         block, layer = f"block_{i}", f"gpt_neox.layers.{i}"
-        table += norm_tensors(f"{block}/attention_norm", f"{layer}.input_layernorm", True)
-        table += dense_tensors(
+        table += common.norm_tensors(f"{block}/attention_norm", f"{layer}.input_layernorm", True)
+        table += common.dense_tensors(
             f"{block}/attention/out",
             f"{layer}.attention.dense",
             config.out_bias,
             "heads_out",
             config.num_heads,
         )
-        table += norm_tensors(f"{block}/mlp_norm", f"{layer}.post_attention_layernorm", True)
-        table += dense_tensors(f"{block}/mlp_in", f"{layer}.mlp.dense_h_to_4h", config.mlp_bias)
-        table += dense_tensors(f"{block}/mlp_out", f"{layer}.mlp.dense_4h_to_h", config.mlp_bias)
-    table += norm_tensors("final_norm", "gpt_neox.final_layer_norm", True)
+        table += common.norm_tensors(f"{block}/mlp_norm", f"{layer}.post_attention_layernorm", True)
+        table += common.dense_tensors(f"{block}/mlp_in", f"{layer}.mlp.dense_h_to_4h", config.mlp_bias)
+        table += common.dense_tensors(f"{block}/mlp_out", f"{layer}.mlp.dense_4h_to_h", config.mlp_bias)
+    table += common.norm_tensors("final_norm", "gpt_neox.final_layer_norm", True)
     return table if config.tie_embeddings else [*table, Tensor("head/kernel", "embed_out.weight", "linear")]
 
 
 def from_hf(config: TransformerConfig, tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
     """The linen parameters of a GPT-NeoX checkpoint."""
     N = config.num_heads
-    for name in [
-        f"gpt_neox.layers.{i}.attention.{buffer}" for i in range(config.num_layers) for buffer in BUFFERS
-    ]:
-        if tensors.has(name):
-            tensors.skip(name)
-    if config.tie_embeddings and tensors.has("embed_out.weight"):
-        tensors.skip("embed_out.weight")
-    yield from read_tensors(_tensors(config), tensors)
+    buffers = [f"gpt_neox.layers.{i}.attention.{name}" for i in range(config.num_layers) for name in BUFFERS]
+    common.skip_stored(tensors, config, "embed_out.weight", buffers)
+    yield from common.read_tensors(_tensors(config), tensors)
     for i in range(config.num_layers):
         fused = f"gpt_neox.layers.{i}.attention.query_key_value"
         weight = tensors.get(f"{fused}.weight")
@@ -118,21 +102,16 @@ def from_hf(config: TransformerConfig, tensors: TensorSource) -> Iterator[tuple[
 
 def to_hf(config: TransformerConfig, params: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
     """The Hugging Face tensors of a GPT-NeoX-shaped model."""
-    yield from write_tensors(_tensors(config), params)
-    names = ("query", "key", "value")
+    yield from common.write_tensors(_tensors(config), params)
     for i in range(config.num_layers):
-        fused, attention = f"gpt_neox.layers.{i}.attention.query_key_value", f"block_{i}/attention"
-        kernels = np.stack(
-            [array(params, f"{attention}/{name}/kernel") for name in names], axis=1
-        )  # (D, 3, N, H)
+        fused = f"gpt_neox.layers.{i}.attention.query_key_value"
+        kernels = np.stack(common.qkv_arrays(params, i, "kernel"), axis=1)  # (D, 3, N, H)
         yield (
             f"{fused}.weight",
             np.ascontiguousarray(kernels.transpose(2, 1, 3, 0).reshape(-1, kernels.shape[0])),
         )
         if config.qkv_bias:
-            biases = np.stack(
-                [array(params, f"{attention}/{name}/bias") for name in names], axis=1
-            )  # (N, 3, H)
+            biases = np.stack(common.qkv_arrays(params, i, "bias"), axis=1)  # (N, 3, H)
             yield f"{fused}.bias", biases.reshape(-1)
 
 
@@ -147,10 +126,10 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
         num_attention_heads=config.num_heads,
         intermediate_size=config.mlp_dim or 4 * config.d_model,
         max_position_embeddings=config.max_len,
-        rope_parameters=rope_parameters(config.rope_base, config.rope_scaling, config.rope_fraction),
+        rope_parameters=common.rope_parameters(config.rope_base, config.rope_scaling, config.rope_fraction),
         layer_norm_eps=config.norm_epsilon,
         use_parallel_residual=config.parallel_block,
-        hidden_act=hf_activation(config),
+        hidden_act=common.hf_activation(config),
         attention_bias=config.qkv_bias,
         tie_word_embeddings=config.tie_embeddings,
         attention_dropout=config.attention_dropout_rate,

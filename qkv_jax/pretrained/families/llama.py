@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import ConfigReader
+from qkv_jax.pretrained.families.common import ConfigReader, attention_biases
 from qkv_jax.pretrained.families.decoder import decoder_fields, decoder_hf_config, from_decoder, to_decoder
 
 # The tensors: the Llama-shaped decoder's names and layouts.
@@ -23,12 +23,9 @@ MODEL_TYPES = ("llama",)
 def to_config(hf: ConfigReader) -> TransformerConfig:
     """The TransformerConfig of a Llama config.json."""
     hf.accept("pretraining_tp", 1)
-    attention_bias = hf.accept("attention_bias", False, True)
+    biases = attention_biases(hf)
     fields = decoder_fields(hf)
-    mlp_bias = hf.accept("mlp_bias", False, True)
-    return TransformerConfig(
-        **dict(fields, qkv_bias=attention_bias, out_bias=attention_bias, mlp_bias=mlp_bias)
-    )
+    return TransformerConfig(**dict(fields, **biases, mlp_bias=hf.accept("mlp_bias", False, True)))
 
 
 def hf_config(config: TransformerConfig) -> dict[str, Any]:

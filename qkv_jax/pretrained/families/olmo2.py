@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import ConfigReader
+from qkv_jax.pretrained.families.common import ConfigReader, attention_biases
 from qkv_jax.pretrained.families.decoder import decoder_fields, decoder_hf_config, from_decoder, to_decoder
 
 # The tensors: the Llama-shaped decoder's names and layouts.
@@ -19,18 +19,8 @@ MODEL_TYPES = ("olmo2",)
 
 def to_config(hf: ConfigReader) -> TransformerConfig:
     """The TransformerConfig of an OLMo 2 config.json."""
-    fields = decoder_fields(hf, epsilon=1e-5)
-    bias = hf.accept("attention_bias", False, True)
-    return TransformerConfig(
-        **dict(
-            fields,
-            qkv_bias=bias,
-            out_bias=bias,
-            norm_placement="post",
-            normalize_qk="rms",
-            qk_norm_width="full",
-        )
-    )
+    fields = dict(decoder_fields(hf, epsilon=1e-5), **attention_biases(hf))
+    return TransformerConfig(**fields, norm_placement="post", normalize_qk="rms", qk_norm_width="full")
 
 
 def hf_config(config: TransformerConfig) -> dict[str, Any]:

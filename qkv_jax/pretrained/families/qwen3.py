@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import ConfigReader
+from qkv_jax.pretrained.families.common import ConfigReader, attention_biases
 from qkv_jax.pretrained.families.decoder import decoder_fields, decoder_hf_config, from_decoder, to_decoder
 from qkv_jax.pretrained.families.qwen2 import qwen_hf_window, qwen_window
 
@@ -20,18 +20,8 @@ MODEL_TYPES = ("qwen3",)
 
 def to_config(hf: ConfigReader) -> TransformerConfig:
     """The TransformerConfig of a Qwen 3 config.json."""
-    fields = decoder_fields(hf, num_kv_heads=32, head_dim=128, max_len=32768)
-    bias = hf.accept("attention_bias", False, True)
-    return TransformerConfig(
-        **dict(
-            fields,
-            qkv_bias=bias,
-            out_bias=bias,
-            normalize_qk="rms",
-            qk_norm_width="head",
-            window=qwen_window(hf),
-        )
-    )
+    fields = dict(decoder_fields(hf, num_kv_heads=32, head_dim=128, max_len=32768), **attention_biases(hf))
+    return TransformerConfig(**fields, normalize_qk="rms", qk_norm_width="head", window=qwen_window(hf))
 
 
 def hf_config(config: TransformerConfig) -> dict[str, Any]:
