@@ -7,6 +7,12 @@ shows. The set-up commands are the exception: their `pip install` part is what
 CI and tools/fresh-clone-check run, and the test command is this suite itself.
 Every command's `python` is the interpreter running the tests (`sys.executable`),
 whatever `python` is first on PATH, if any.
+
+A guide of SESSIONS is one session instead: its blocks run in the order they appear, in one
+temporary directory, each run of consecutive python blocks as one script (a block uses what
+the blocks before it defined) with that directory as its working directory and the repository
+on PYTHONPATH, and each bash block as above (`runs/` moved there): a bash block reads the
+files the python blocks before it wrote under `runs/`.
 """
 
 import json
@@ -36,7 +42,11 @@ DOCS = [
     "docs/scaling.md",
     "docs/adding_a_task.md",
     "docs/interpretability.md",
+    "docs/pretrained.md",
 ]
+
+# The guides whose blocks are one session (see the module docstring).
+SESSIONS = ["docs/pretrained.md"]
 
 
 def blocks(language, doc=None):
@@ -56,6 +66,7 @@ def file_names(body):
 PYTHON_BLOCKS = [
     pytest.param(doc, index, id=f"{doc}-{index}")
     for doc in DOCS
+    if doc not in SESSIONS
     for index, body in enumerate(blocks("python", doc))
     if file_names(body) is None
 ]
@@ -64,6 +75,25 @@ PYTHON_BLOCKS = [
 def commands(body):
     """Shell commands of a bash block, continuation lines joined."""
     return [c.strip() for c in body.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")]
+
+
+def sandboxed(body, tmp_path, port):
+    """A bash block's commands as one `set -e` script: `runs/` moved under `tmp_path`, the
+    example port replaced by `port`, the set-up line's `pip install` part dropped."""
+    script = []
+    for line in commands(body):
+        if "pip install" in line:
+            line = line.split("&&", 1)[1].strip() if "&&" in line else ""
+        if line:
+            script.append(line.replace("runs/", f"{tmp_path}/runs/").replace("12355", port))
+    return "set -e\n" + "\n".join(script) + "\nwait" if script else None
+
+
+def run_bash(script, env):
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, (script, result.stderr[-3000:])
 
 
 def free_port():
@@ -114,32 +144,52 @@ def test_python_blocks(doc, index):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", [doc for doc in DOCS if blocks("bash", doc)])
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if doc not in SESSIONS and blocks("bash", doc)])
 def test_bash_blocks_in_order(doc, tmp_path, shell_env):
     port = str(free_port())
     ran = 0
     for body in blocks("bash", doc):
         if "pytest" in body:  # the test command: this suite
             continue
-        lines = commands(body)
-        script = []
-        for line in lines:
-            if "pip install" in line:
-                line = line.split("&&", 1)[1].strip() if "&&" in line else ""
-            if line:
-                script.append(line.replace("runs/", f"{tmp_path}/runs/").replace("12355", port))
+        script = sandboxed(body, tmp_path, port)
         if script:
+            run_bash(script, shell_env)
+            ran += 1
+    assert ran >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", SESSIONS)
+def test_session_guide_runs_in_order(doc, tmp_path, shell_env):
+    """Every python and bash block of `doc` in order in `tmp_path`, consecutive python blocks as
+    one script."""
+    port, python, ran = str(free_port()), [], []
+
+    def run_python():
+        if python:
             result = subprocess.run(
-                ["bash", "-c", "set -e\n" + "\n".join(script) + "\nwait"],
-                cwd=ROOT,
+                [sys.executable, "-c", "\n".join(python)],
+                cwd=tmp_path,
                 env=shell_env,
                 capture_output=True,
                 text=True,
-                timeout=900,
+                timeout=600,
             )
-            assert result.returncode == 0, (script, result.stderr[-3000:])
-            ran += len(script)
-    assert ran >= 1
+            assert result.returncode == 0, result.stderr[-3000:]
+            ran.append("python")
+            python.clear()
+
+    for language, body in BLOCK.findall((ROOT / doc).read_text()):
+        if language == "python":
+            python.append(body)
+        elif language == "bash":
+            run_python()
+            script = sandboxed(body, tmp_path, port)
+            if script:
+                run_bash(script, shell_env)
+                ran.append("bash")
+    run_python()
+    assert "python" in ran
 
 
 def test_text_blocks_show_what_commands_print(tmp_path, shell_env):
