@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+import qkv_jax.pretrained.families.common as common
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families import common
 from qkv_jax.pretrained.families.common import ConfigReader, Tensor, TensorSource
 
 MODEL_TYPES = ("gpt2",)
