@@ -883,7 +883,6 @@ def _call_attention_fn(
     if any(need and name not in accepted for name, need in needed.items()):
         mask = and_masks(mask, visible_keys(keys.replace(mask=None), query.shape[-3], key.shape[-3]))
         keys = KeyVisibility(False)
-    query_ids, key_ids = keys.segment_ids or (None, None)
     arguments = dict(
         bias=bias,
         mask=mask,
@@ -894,11 +893,7 @@ def _call_attention_fn(
         dtype=settings.dtype,
         precision=settings.precision,
         force_fp32_for_softmax=settings.force_fp32_for_softmax,
-        is_causal=keys.is_causal,
-        query_offset=keys.query_offset,
-        local_window_size=keys.window,
-        query_segment_ids=query_ids,
-        key_segment_ids=key_ids,
+        **keys.keywords(),
         logits_soft_cap=settings.attn_logits_soft_cap,
         sinks=sinks,
         scale=scale,

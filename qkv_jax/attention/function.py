@@ -179,34 +179,19 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
     """`(output, residual, weights)` of one path (the weights from "reference" only), with
     `bias` and `keys.mask` of the logits' rank."""
     if implementation == "reference":
-        allowed = visible_keys(keys, query.shape[-3], key.shape[-3], query.ndim)
+        allowed, rng = visible_keys(keys, query.shape[-3], key.shape[-3], query.ndim), traced.dropout_rng
         return reference_attention(
-            query,
-            key,
-            value,
-            bias,
-            allowed,
-            traced.sinks,
-            scale=scale,
-            options=options,
-            dropout_rng=traced.dropout_rng,
+            query, key, value, bias, allowed, traced.sinks, scale=scale, options=options, dropout_rng=rng
         )
     if implementation == "chunked":
-        query_ids, key_ids = keys.segment_ids or (None, None)
         output, residual = chunked_attention(
             query,
             key,
             value,
             bias,
             keys.mask,
-            is_causal=keys.is_causal,
+            **keys.keywords(lengths=True),
             scale=scale,
-            query_seq_lengths=keys.query_lengths,
-            key_value_seq_lengths=keys.key_lengths,
-            local_window_size=keys.window,
-            query_offset=keys.query_offset,
-            query_segment_ids=query_ids,
-            key_segment_ids=key_ids,
             logits_soft_cap=options.soft_cap,
             sinks=traced.sinks,
             return_residual=True,

@@ -124,6 +124,22 @@ class KeyVisibility:
     query_lengths: Any = None
     key_lengths: Any = None
 
+    def keywords(self, lengths: bool = False) -> dict[str, Any]:
+        """`dot_product_attention`'s keywords of the causal, offset, window and segment rules:
+        is_causal, query_offset, local_window_size, query_segment_ids and key_segment_ids; with
+        `lengths` also query_seq_lengths and key_value_seq_lengths (the mask is left out)."""
+        query_ids, key_ids = self.segment_ids or (None, None)
+        rules = dict(
+            is_causal=self.is_causal,
+            query_offset=self.query_offset,
+            local_window_size=self.window,
+            query_segment_ids=query_ids,
+            key_segment_ids=key_ids,
+        )
+        if not lengths:
+            return rules
+        return dict(rules, query_seq_lengths=self.query_lengths, key_value_seq_lengths=self.key_lengths)
+
     def replace(self, **changes: Any) -> KeyVisibility:
         return dataclasses.replace(self, **changes)
 
