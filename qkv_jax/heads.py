@@ -47,6 +47,12 @@ def _check_dropout(owner: str, rate: float) -> None:
         raise ValueError(f"{owner}: dropout_rate={rate!r} must be in [0, 1)")
 
 
+def _check_one_head(module: Any, **sizes: int) -> None:
+    """A teaching module's checks at construction: positive `sizes`, a dropout rate in [0, 1)."""
+    _check_positive(type(module).__name__, **sizes)
+    _check_dropout(type(module).__name__, module.dropout_rate)
+
+
 def _check_heads(owner: str, num_heads: int, num_kv_heads: int | None) -> None:
     if num_kv_heads is not None and num_heads % num_kv_heads:
         raise ValueError(f"{owner}: num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")

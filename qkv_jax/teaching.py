@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from qkv_jax.attention import KeyVisibility, PrecisionLike, dot_product_attention, visible_keys
 from qkv_jax.heads import (
     Inspectable,
-    _check_dropout,
     _check_inputs,
+    _check_one_head,
     _check_pattern_request,
-    _check_positive,
     attend_heads,
     torch_linear_init,
 )
@@ -90,24 +89,11 @@ def _single_head(
     return output[..., 0, :], weights[..., 0, :, :]  # (..., T, Hv), (..., T, S)
 
 
-def _check_one_head(module: Any, **sizes: int) -> None:
-    """A teaching module's checks at construction: positive `sizes`, a dropout rate in [0, 1)."""
-    _check_positive(type(module).__name__, **sizes)
-    _check_dropout(type(module).__name__, module.dropout_rate)
-
-
 def _dense(module: Any, features: int, use_bias: bool, name: str) -> nn.Dense:
     """The projection `name` of a teaching module, inside its compact method: `nn.Dense` with the
     module's kernel_init, dtypes and precision."""
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        kernel_init=module.kernel_init,
-        dtype=module.dtype,
-        param_dtype=module.param_dtype,
-        precision=module.precision,
-        name=name,
-    )
+    dtypes = dict(dtype=module.dtype, param_dtype=module.param_dtype, precision=module.precision)
+    return nn.Dense(features, use_bias=use_bias, kernel_init=module.kernel_init, name=name, **dtypes)
 
 
 class StaticAttention(Inspectable):
