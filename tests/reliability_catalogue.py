@@ -24,6 +24,7 @@ AREAS = (
     "Finished runs",
     "Sweeps",
     "Determinism",
+    "Pretrained checkpoints",
     "Decoding",
 )
 

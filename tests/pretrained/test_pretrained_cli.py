@@ -417,6 +417,14 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.reliability(
+    "Pretrained checkpoints",
+    "experiments.generate / experiments.report --pretrained with a prompt whose tokens lie outside the "
+    "model's vocabulary, a directory without tokenizer.json, one that is not a checkpoint or is missing, "
+    "--clean and --corrupted of different token lengths, an empty prompt, both or neither of --workdir "
+    "and --pretrained",
+    "exit 2, one line naming the cause; nothing written",
+)
 @pytest.mark.parametrize(("module", "args", "expected"), BAD_INPUTS)
 def test_bad_input_is_one_line_and_exit_2(checkpoints, broken, tmp_path, module, args, expected):
     out = tmp_path / "out"

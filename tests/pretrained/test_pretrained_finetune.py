@@ -140,6 +140,13 @@ def bad(tmp_path, sources, **changes):
     return launched.error_lines
 
 
+@pytest.mark.reliability(
+    "Pretrained checkpoints",
+    "fine-tuning a pretrained model on an empty or non-UTF-8 text file, with task.seq_len past the model's "
+    "positions, from an init_from that is neither a model directory nor a run, or from a model directory "
+    "without tokenizer.json",
+    "exit 2, one line naming the cause; nothing written",
+)
 def test_bad_inputs_are_one_line_each(sources, tmp_path):
     directories, _ = sources
     empty = tmp_path / "empty.txt"
@@ -172,6 +179,11 @@ def test_bad_inputs_are_one_line_each(sources, tmp_path):
     )
 
 
+@pytest.mark.reliability(
+    "Pretrained checkpoints",
+    "experiments.export into an --out that already holds a file, or from a workdir without checkpoints",
+    "exit 2, one line; the file in --out is untouched",
+)
 def test_export_refuses_an_occupied_out_and_a_workdir_without_checkpoints(sources, tmp_path):
     directories, _ = sources
     workdir = tmp_path / "W"
