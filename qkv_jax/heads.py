@@ -1,6 +1,6 @@
 """What every attention module of qkv_jax shares (the teaching modules and `MultiHeadAttention`).
 
-  _check_positive, _check_dropout, _check_heads, _check_lora, _check_inputs
+  _check_positive, _check_positive_fields, _check_dropout, _check_heads, _check_lora, _check_inputs
                         the argument checks (ValueError naming the field and its value)
   AttentionRequest, Inspectable  what an interpretability run asks of an attention layer
   attend_heads          the requested heads' scores and pattern, explicitly, with their hook points
@@ -40,6 +40,11 @@ def _check_positive(owner: str, **sizes: Any) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
+
+
+def _check_positive_fields(owner: str, settings: Any, names: str) -> None:
+    """`_check_positive` on the fields `names` (space-separated) of `settings`, None allowed."""
+    _check_positive(owner, **{name: getattr(settings, name) for name in names.split()})
 
 
 def _check_dropout(owner: str, rate: float) -> None:

@@ -16,6 +16,7 @@ They are importable from `qkv_jax` and from `qkv_jax.modules` as well.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -96,7 +97,28 @@ def _dense(module: Any, features: int, use_bias: bool, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=use_bias, kernel_init=module.kernel_init, name=name, **dtypes)
 
 
-class StaticAttention(Inspectable):
+class _OneHead(Inspectable):
+    """The options every teaching module has (keyword-only), read by `_single_head`:
+    `is_causal`, `scale` (default `1/sqrt(depth)`), attention-weight `dropout_rate`,
+    `sow_weights` and the dots' `precision`."""
+
+    _: dataclasses.KW_ONLY
+    is_causal: bool = False
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    sow_weights: bool = False
+    precision: PrecisionLike = None
+
+
+class _LearnedHead(_OneHead):
+    """`_OneHead` with learned projections: their computation `dtype` and `param_dtype`."""
+
+    _: dataclasses.KW_ONLY
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+
+class StaticAttention(_OneHead):
     """Parameter-free attention: Q = K = V = X, i.e. every W is the identity.
 
     `__call__(inputs_q, inputs_kv=None, mask=None, deterministic=True,
@@ -106,12 +128,6 @@ class StaticAttention(Inspectable):
     broadcasts to `[batch..., T, S]`. `scale` defaults to `1/sqrt(D)`; set it
     to 1.0 for the unscaled `softmax(X X^T) X`. `precision`: of the two dots.
     """
-
-    is_causal: bool = False
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
 
     def __post_init__(self):
         _check_one_head(self)
@@ -126,7 +142,7 @@ class StaticAttention(Inspectable):
         return (output, weights) if return_weights else output
 
 
-class SelfAttentionV1(Inspectable):
+class SelfAttentionV1(_LearnedHead):
     """Self-attention with raw learned matrices, the first form of learned attention.
 
     Parameters `W_query`, `W_key`, `W_value` of shape `[d_in, d_out]`, drawn
@@ -137,13 +153,6 @@ class SelfAttentionV1(Inspectable):
     """
 
     d_out: int
-    is_causal: bool = False
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.uniform(scale=1.0)
 
     def __post_init__(self):
@@ -167,7 +176,7 @@ class SelfAttentionV1(Inspectable):
         return (output, weights) if return_weights else output
 
 
-class SelfAttention(Inspectable):
+class SelfAttention(_LearnedHead):
     """Self-attention through `nn.Dense` projections.
 
     Sub-modules `W_query`, `W_key`, `W_value` are `nn.Dense(d_out)` (kernel
@@ -177,13 +186,6 @@ class SelfAttention(Inspectable):
 
     d_out: int
     qkv_bias: bool = False
-    is_causal: bool = False
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = torch_linear_init
 
     def __post_init__(self):
@@ -201,7 +203,7 @@ class SelfAttention(Inspectable):
         return (output, weights) if return_weights else output
 
 
-class LearnedQueryAttention(Inspectable):
+class LearnedQueryAttention(_LearnedHead):
     """One learned query vector attends over a sequence.
 
     Parameters: `query` `[D]` (standard normal) and bias-free `nn.Dense`
@@ -209,18 +211,11 @@ class LearnedQueryAttention(Inspectable):
     `__call__(inputs, mask=None, deterministic=True)` maps `[batch..., S, D]`
     to `(output [batch..., d_v], weights [batch..., S])`; `mask` is a key mask
     broadcastable to `[batch..., S]`. `precision`: of the projections and the
-    attention's dots.
+    attention's dots. `is_causal` must stay False: one query has no future.
     """
 
     d_k: int
     d_v: int
-    is_causal: bool = False  # kept for the shared head code; one query has no "future"
-    scale: float | None = None
-    dropout_rate: float = 0.0
-    sow_weights: bool = False
-    precision: PrecisionLike = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
     kernel_init: Initializer = torch_linear_init
     query_init: Initializer = nn.initializers.normal(stddev=1.0)
 

@@ -162,28 +162,12 @@ def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
     return "reference"
 
 
-def select_implementation(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
-    *,
-    is_causal: bool = False,
-    local_window_size: Any = None,
-    query_offset: Any = None,
-    query_segment_ids: Any = None,
-    key_segment_ids: Any = None,
-    logits_soft_cap: Any = None,
-    sinks: Any = None,
-    dropout_rate: float = 0.0,
-    return_weights: bool = False,
-    platform: str | None = None,
-) -> str:
+def select_implementation(query, key, value, bias=None, mask=None, *, platform=None, **keywords) -> str:
     """The path `dot_product_attention(..., implementation=None)` takes.
 
-    Arguments as for `dot_product_attention`; arrays need only `.shape` and
-    `.dtype` (`jax.ShapeDtypeStruct` will do), and of the optional ones only
+    Arguments as for `dot_product_attention`, by its keyword names (`FEATURES`,
+    `implementation` and `dropout_rng`; any other is a TypeError); arrays need
+    only `.shape` and `.dtype` (`jax.ShapeDtypeStruct` will do), and of the optional ones only
     whether they are given matters (and of `query_offset` whether it is a
     static 0; sequence lengths, `scale`, `return_residual` and `precision` do
     not change the path). `platform` defaults to `jax.default_backend()`. The
@@ -215,22 +199,23 @@ def select_implementation(
     `--window` on CPU, benchmarks/gpu.sh on a GPU; benchmarks/gpu_check.sh
     checks every case of step 1 against the reference on the GPU.
     """
+    unknown = sorted(set(keywords) - set(FEATURES) - {"implementation", "dropout_rng"})
+    if unknown:
+        raise TypeError(f"select_implementation() got an unexpected keyword argument {unknown[0]!r}")
+    given = dict(keywords, bias=bias, mask=mask)
+    query_offset = given.get("query_offset")
     offset = query_offset if query_offset is None or is_int(query_offset) else None
     options = CallOptions(
-        is_causal=bool(is_causal),
-        window=window_pair(local_window_size, "select_implementation"),
+        is_causal=bool(given.get("is_causal", False)),
+        window=window_pair(given.get("local_window_size"), "select_implementation"),
         offset=offset,
-        soft_cap=check_soft_cap("select_implementation", logits_soft_cap),
-        dropout_rate=dropout_rate,
-        return_weights=bool(return_weights),
+        soft_cap=check_soft_cap("select_implementation", given.get("logits_soft_cap")),
+        dropout_rate=given.get("dropout_rate", 0.0),
+        return_weights=bool(given.get("return_weights", False)),
     )
-    arrays = dict(
-        bias=bias,
-        mask=mask,
-        query_offset=None if offset is not None or query_offset is None else query_offset,
-        query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids,
-        sinks=sinks,
-    )
+    arrays = {
+        name: given.get(name) for name in ("bias", "mask", "query_segment_ids", "key_segment_ids", "sinks")
+    }
+    arrays["query_offset"] = query_offset if offset is None else None  # a traced offset
     platform = jax.default_backend() if platform is None else platform
     return choose(query, key, value, call_features(options, arrays), platform=platform)

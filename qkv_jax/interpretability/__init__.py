@@ -19,67 +19,23 @@ give on one input. This package looks at both:
 """
 
 from qkv_jax.interpretability import attribution, cache, capture, circuits, patching
-from qkv_jax.interpretability.attribution import (
-    accumulated_resid,
-    direct_logit_attribution,
-    head_results,
-    logit_lens,
-    residual_decomposition,
-)
-from qkv_jax.interpretability.cache import HOOK_SHAPES, hook_name, hook_names, select_names
-from qkv_jax.interpretability.capture import generate_with_cache, run_with_cache, run_with_hooks
-from qkv_jax.interpretability.circuits import (
-    EmbeddingWeights,
-    HeadWeights,
-    composition_scores,
-    copying_scores,
-    effective_rank,
-    embedding_weights,
-    head_weights,
-    ov_matrices,
-    ov_singular_values,
-    qk_matrices,
-    qk_singular_values,
-    singular_values,
-    token_ov_circuit,
-    token_qk_circuit,
-)
-from qkv_jax.interpretability.patching import ablate, activation_axes, patching_sweep, replace
+
+# Each submodule's public names are the package's: `__all__` is theirs, not a second list.
+from qkv_jax.interpretability.attribution import *  # noqa: F403
+from qkv_jax.interpretability.cache import *  # noqa: F403
+from qkv_jax.interpretability.capture import *  # noqa: F403
+from qkv_jax.interpretability.circuits import *  # noqa: F403
+from qkv_jax.interpretability.patching import *  # noqa: F403
 
 __all__ = [
     "attribution",
     "cache",
-    "circuits",
     "capture",
+    "circuits",
     "patching",
-    "HOOK_SHAPES",
-    "hook_names",
-    "hook_name",
-    "select_names",
-    "run_with_cache",
-    "run_with_hooks",
-    "generate_with_cache",
-    "activation_axes",
-    "replace",
-    "ablate",
-    "patching_sweep",
-    "HeadWeights",
-    "EmbeddingWeights",
-    "head_weights",
-    "embedding_weights",
-    "qk_matrices",
-    "ov_matrices",
-    "singular_values",
-    "qk_singular_values",
-    "ov_singular_values",
-    "effective_rank",
-    "composition_scores",
-    "token_qk_circuit",
-    "token_ov_circuit",
-    "copying_scores",
-    "accumulated_resid",
-    "logit_lens",
-    "head_results",
-    "residual_decomposition",
-    "direct_logit_attribution",
+    *cache.__all__,
+    *capture.__all__,
+    *patching.__all__,
+    *circuits.__all__,
+    *attribution.__all__,
 ]

@@ -90,14 +90,9 @@ class TransformerBlock(nnx.Module):
             setattr(self, name, HookPoint())
 
     def _layers(self) -> lm.BlockLayers:
-        def attention(h, deterministic, decode, head_mask, segment_ids):
-            return self.attention(
-                h, deterministic=deterministic, decode=decode, head_mask=head_mask, segment_ids=segment_ids
-            )
-
         return lm.BlockLayers(
             norm=lambda name, x: getattr(self, name)(x),
-            attention=attention,
+            attention=lambda h, call: self.attention(h, **call._asdict()),
             dense=lambda name, h: getattr(self, name)(h),
             dropout=lambda x, deterministic: self.dropout(x, deterministic=deterministic),
             hook=hooks_of(self),
@@ -106,7 +101,8 @@ class TransformerBlock(nnx.Module):
     def __call__(
         self, x: Array, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None
     ) -> Array:
-        return lm.block_forward(self.config, self._layers(), x, deterministic, decode, head_mask, segment_ids)
+        call = lm.CallArgs(deterministic, decode, head_mask, segment_ids)
+        return lm.block_forward(self.config, self._layers(), x, call)
 
 
 class TransformerLM(nnx.Module):
@@ -180,7 +176,7 @@ class TransformerLM(nnx.Module):
         return lm.LMLayers(
             embed=self.token_embedding,
             position_table=position_table,
-            block=lambda layer, *args: blocks[layer](*args),
+            block=lambda layer, x, call: blocks[layer](x, *call),
             final_norm=self.final_norm,
             embedding_table=lambda: self.token_embedding.embedding[...],
             head=self.head,
@@ -199,9 +195,8 @@ class TransformerLM(nnx.Module):
         if decode and self.cache_index is None:
             raise ValueError("qkv_jax.nnx.TransformerLM: decoding needs init_cache(batch_size) first")
         index = self.cache_index[...] if decode and self.cache_index is not None else None
-        logits, new_index = lm.lm_forward(
-            self.config, self._layers(), tokens, deterministic, decode, head_mask, segment_ids, index
-        )
+        call = lm.CallArgs(deterministic, decode, head_mask, segment_ids)
+        logits, new_index = lm.lm_forward(self.config, self._layers(), tokens, call, index)
         if self.cache_index is not None and new_index is not None:
             self.cache_index[...] = new_index
         return logits

@@ -3,6 +3,9 @@ layouts of Hugging Face tensors against qkv_jax's.
 
   ConfigReader     what a family reads a config.json through (`qkv_jax.pretrained.schema.HFConfig`)
   TensorSource     what it reads tensors through (one `get(name)` at a time)
+  Field, read_fields, write_fields
+                   config.json fields that are TransformerConfig fields under another name,
+                   one table a family reads and writes
   activation       a Hugging Face activation name -> TransformerConfig.mlp_activation
   windows          per-layer windows from `layer_types` / `sliding_window` -> TransformerConfig.window
   Tensor           one parameter: its linen path, its Hugging Face name and the layout between them
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -29,6 +32,10 @@ from qkv_jax.positions import RopeScaling
 __all__ = [
     "ConfigReader",
     "TensorSource",
+    "Field",
+    "REQUIRED",
+    "read_fields",
+    "write_fields",
     "ACTIVATIONS",
     "activation",
     "hf_activation",
@@ -75,6 +82,30 @@ class TensorSource(Protocol):
     def has(self, name: str) -> bool: ...
 
     def skip(self, name: str) -> None: ...
+
+
+REQUIRED = object()  # a `Field`'s default when config.json must give the field
+
+
+class Field(NamedTuple):
+    """A config.json field that is the TransformerConfig field `ours`, its value unchanged;
+    `default`: the family's value when the file leaves it out (`REQUIRED`: it may not)."""
+
+    ours: str
+    default: Any = REQUIRED
+
+
+def read_fields(hf: ConfigReader, fields: Mapping[str, Field]) -> dict[str, Any]:
+    """TransformerConfig keywords from the config.json fields of `fields` (their names -> Field)."""
+    return {
+        field.ours: hf.require(name) if field.default is REQUIRED else hf.get(name, field.default)
+        for name, field in fields.items()
+    }
+
+
+def write_fields(config: TransformerConfig, fields: Mapping[str, Field]) -> dict[str, Any]:
+    """The config.json fields of `fields` from `config`: `read_fields` backwards."""
+    return {name: getattr(config, field.ours) for name, field in fields.items()}
 
 
 # Hugging Face's activation names (transformers' ACT2FN) -> TransformerConfig.mlp_activation.

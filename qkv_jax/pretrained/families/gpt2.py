@@ -20,10 +20,23 @@ import numpy as np
 
 import qkv_jax.pretrained.families.common as common
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import ConfigReader, Tensor, TensorSource
+from qkv_jax.pretrained.families.common import ConfigReader, Field, Tensor, TensorSource
 
 MODEL_TYPES = ("gpt2",)
 ACTIVATION_DEFAULT = "gelu_new"
+# config.json fields read and written as they are (the others are in to_config and hf_config).
+FIELDS = {
+    "vocab_size": Field("vocab_size"),
+    "n_layer": Field("num_layers"),
+    "n_embd": Field("d_model"),
+    "n_head": Field("num_heads"),
+    "n_inner": Field("mlp_dim", None),
+    "n_positions": Field("max_len", 1024),
+    "layer_norm_epsilon": Field("norm_epsilon", 1e-5),
+    "tie_word_embeddings": Field("tie_embeddings", True),
+    "attn_pdrop": Field("attention_dropout_rate", 0.1),
+    "resid_pdrop": Field("residual_dropout_rate", 0.1),
+}
 
 
 def to_config(hf: ConfigReader) -> TransformerConfig:
@@ -37,20 +50,11 @@ def to_config(hf: ConfigReader) -> TransformerConfig:
     hf.get("embd_pdrop")  # the embeddings' dropout; qkv_jax's residual dropout covers them
     hf.get("n_ctx")  # the original files' context length, which transformers does not read
     return TransformerConfig(
-        vocab_size=hf.require("vocab_size"),
-        num_layers=hf.require("n_layer"),
-        d_model=hf.require("n_embd"),
-        num_heads=hf.require("n_head"),
-        mlp_dim=hf.get("n_inner"),
-        max_len=hf.get("n_positions", 1024),
+        **common.read_fields(hf, FIELDS),
         positions="learned",
         norm="layernorm",
-        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         mlp_activation=common.activation(hf, "activation_function", ACTIVATION_DEFAULT),
         attention_scale=None if hf.accept("scale_attn_weights", True, False) else 1.0,
-        tie_embeddings=hf.get("tie_word_embeddings", True),
-        attention_dropout_rate=hf.get("attn_pdrop", 0.1),
-        residual_dropout_rate=hf.get("resid_pdrop", 0.1),
     )
 
 
@@ -114,17 +118,8 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
     return dict(
         model_type="gpt2",
         architectures=["GPT2LMHeadModel"],
-        vocab_size=config.vocab_size,
-        n_layer=config.num_layers,
-        n_embd=config.d_model,
-        n_head=config.num_heads,
-        n_inner=config.mlp_dim,
-        n_positions=config.max_len,
-        layer_norm_epsilon=config.norm_epsilon,
+        **common.write_fields(config, FIELDS),
         activation_function=common.hf_activation(config),
         scale_attn_weights=config.attention_scale is None,
-        tie_word_embeddings=config.tie_embeddings,
-        attn_pdrop=config.attention_dropout_rate,
-        resid_pdrop=config.residual_dropout_rate,
         embd_pdrop=config.residual_dropout_rate,
     )

@@ -19,11 +19,23 @@ import numpy as np
 
 import qkv_jax.pretrained.families.common as common
 from qkv_jax.lm import TransformerConfig
-from qkv_jax.pretrained.families.common import ConfigReader, Tensor, TensorSource
+from qkv_jax.pretrained.families.common import ConfigReader, Field, Tensor, TensorSource
 
 MODEL_TYPES = ("gpt_neox",)
 BUFFERS = ("bias", "masked_bias", "rotary_emb.inv_freq")
 DEFAULT_FRACTION = 0.25  # transformers' rotary_pct when a config gives none
+# config.json fields read and written as they are (the others are in to_config and hf_config).
+FIELDS = {
+    "vocab_size": Field("vocab_size"),
+    "num_hidden_layers": Field("num_layers"),
+    "hidden_size": Field("d_model"),
+    "num_attention_heads": Field("num_heads"),
+    "max_position_embeddings": Field("max_len", 2048),
+    "layer_norm_eps": Field("norm_epsilon", 1e-5),
+    "tie_word_embeddings": Field("tie_embeddings", False),
+    "attention_dropout": Field("attention_dropout_rate", 0.0),
+    "hidden_dropout": Field("residual_dropout_rate", 0.0),
+}
 
 
 def _rope_dict(hf: ConfigReader) -> dict[str, Any]:
@@ -41,25 +53,17 @@ def to_config(hf: ConfigReader) -> TransformerConfig:
     hf.get("classifier_dropout")  # the classification heads', not the language model's
     hf.get("is_decoder")
     return TransformerConfig(
-        vocab_size=hf.require("vocab_size"),
-        num_layers=hf.require("num_hidden_layers"),
-        d_model=hf.require("hidden_size"),
-        num_heads=hf.require("num_attention_heads"),
+        **common.read_fields(hf, FIELDS),
         mlp_dim=hf.require("intermediate_size"),
-        max_len=hf.get("max_position_embeddings", 2048),
         positions="rope",
         rope_base=base,
         rope_scaling=scaling,
         rope_fraction=fraction,
         norm="layernorm",
-        norm_epsilon=hf.get("layer_norm_eps", 1e-5),
         parallel_block=hf.accept("use_parallel_residual", True, False),
         mlp_activation=common.activation(hf, "hidden_act", "gelu"),
         qkv_bias=bias,
         out_bias=bias,
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        attention_dropout_rate=hf.get("attention_dropout", 0.0),
-        residual_dropout_rate=hf.get("hidden_dropout", 0.0),
     )
 
 
@@ -120,18 +124,10 @@ def hf_config(config: TransformerConfig) -> dict[str, Any]:
     return dict(
         model_type="gpt_neox",
         architectures=["GPTNeoXForCausalLM"],
-        vocab_size=config.vocab_size,
-        num_hidden_layers=config.num_layers,
-        hidden_size=config.d_model,
-        num_attention_heads=config.num_heads,
+        **common.write_fields(config, FIELDS),
         intermediate_size=config.mlp_dim or 4 * config.d_model,
-        max_position_embeddings=config.max_len,
         rope_parameters=common.rope_parameters(config.rope_base, config.rope_scaling, config.rope_fraction),
-        layer_norm_eps=config.norm_epsilon,
         use_parallel_residual=config.parallel_block,
         hidden_act=common.hf_activation(config),
         attention_bias=config.qkv_bias,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_dropout=config.attention_dropout_rate,
-        hidden_dropout=config.residual_dropout_rate,
     )
