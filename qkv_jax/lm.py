@@ -4,7 +4,8 @@
   block_forward     the block's computation, once: x + Dropout(attn(norm(x))), then
                     x + Dropout(MLP(norm(x))), with the norm kinds and placements, the
                     parallel block and the MLP kinds of the config (`BlockLayers`: the
-                    face's sub-modules as callables).
+                    face's sub-modules as callables; `CallArgs`: a call's deterministic,
+                    decode, head_mask and segment_ids, passed down as one value).
   lm_forward        the model's computation, once: token embeddings (+ learned
                     position embeddings, or RoPE in the attention, or no positions),
                     blocks, the final norm, the vocabulary head (`LMLayers`).
@@ -45,11 +46,12 @@ from qkv_jax.hooks import hook as _hook
 from qkv_jax.lora import LoRADenseGeneral
 from qkv_jax.modules import (
     ATTENTION_LORA_TARGETS,
+    OPTION_NAMES,
     QK_NORM_WIDTHS,
     MultiHeadAttention,
     _check_heads,
     _check_lora,
-    _check_positive,
+    _check_positive_fields,
     advance_cache_index,
     check_jax_nn_path,
     check_segment_ids,
@@ -80,6 +82,7 @@ __all__ = [
     "BlockLayers",
     "block_norms",
     "mlp_projections",
+    "CallArgs",
     "block_forward",
     "LMLayers",
     "lm_forward",
@@ -311,17 +314,10 @@ class TransformerConfig:
         _check_lora(
             owner, self.lora_rank, self.lora_alpha, self.lora_targets, LORA_TARGETS, self.kv_latent_dim
         )
-        _check_positive(
+        _check_positive_fields(
             owner,
-            vocab_size=self.vocab_size,
-            num_layers=self.num_layers,
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            max_len=self.max_len,
-            mlp_dim=self.mlp_dim,
-            kv_latent_dim=self.kv_latent_dim,
-            head_dim=self.head_dim,
+            self,
+            "vocab_size num_layers d_model num_heads num_kv_heads max_len mlp_dim kv_latent_dim head_dim",
         )
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(
@@ -439,41 +435,32 @@ def decode_capacity(config: TransformerConfig) -> int | None:
     return None if config.positions != "learned" and rings else config.max_len
 
 
+# The attention options a TransformerConfig field of the same name sets (a new attention option
+# that the model exposes needs only its field here, by that name).
+_SHARED_OPTIONS = tuple(
+    name for name in OPTION_NAMES if name in {f.name for f in dataclasses.fields(TransformerConfig)}
+)
+
+
 def attention_options(config: TransformerConfig, layer: int = 0) -> dict[str, Any]:
     """The attention's fields of block `layer` from `config`, shared by the linen and the nnx
-    `TransformerBlock`: window w becomes local_window_size (w - 1, 0) (causal) or (w - 1, w - 1);
-    a windowed layer takes local_rope_base (unscaled) when it is set."""
+    `TransformerBlock`: every `AttentionOptions` field that `TransformerConfig` has by the same
+    name, and those it names or computes otherwise: window w becomes local_window_size (w - 1, 0)
+    (causal) or (w - 1, w - 1); a windowed layer takes local_rope_base (unscaled) when it is set."""
     window = layer_windows(config)[layer]
     rope = config.positions == "rope"
     local = window is not None and config.local_rope_base is not None
     return dict(
+        {name: getattr(config, name) for name in _SHARED_OPTIONS},
         local_window_size=None if window is None else (window - 1, 0 if config.causal else window - 1),
         rope_base=(config.local_rope_base if local else config.rope_base) if rope else None,
-        rope_fraction=config.rope_fraction,
-        normalize_qk=config.normalize_qk,
-        attn_logits_soft_cap=config.attn_logits_soft_cap,
-        scale=config.attention_scale,
-        use_sinks=config.use_sinks,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        kv_latent_dim=config.kv_latent_dim,
-        head_dim=config.head_dim,
-        use_bias=config.qkv_bias,
-        out_bias=config.out_bias,
-        qk_norm_width=config.qk_norm_width,
-        qk_norm_epsilon=config.norm_epsilon,
         rope_scaling=None if local or not rope else config.rope_scaling,
+        scale=config.attention_scale,
+        use_bias=config.qkv_bias,
+        qk_norm_epsilon=config.norm_epsilon,
         is_causal=config.causal,
         dropout_rate=config.attention_dropout_rate,
-        sow_weights=config.sow_weights,
-        attention_implementation=config.attention_implementation,
-        precision=config.precision,
-        absorb_latent=config.absorb_latent,
-        lora_rank=config.lora_rank,
-        lora_alpha=config.lora_alpha,
         lora_targets=tuple(t for t in config.lora_targets if t != "mlp"),
-        dtype=config.dtype,
-        param_dtype=config.param_dtype,
     )
 
 
@@ -537,12 +524,23 @@ def check_head_mask(owner: str, head_mask: Any, shape: tuple[int, ...]) -> None:
         )
 
 
+class CallArgs(NamedTuple):
+    """The arguments of one call of a model or a block, passed down as one value: to each block
+    (`head_mask` `[num_layers, num_heads]`, one row per block) and from a block to its attention
+    (`head_mask` `[num_heads]`). `segment_ids` `[batch..., T]`: packed sequences."""
+
+    deterministic: bool = True
+    decode: bool = False
+    head_mask: Any = None
+    segment_ids: Any = None
+
+
 class BlockLayers(NamedTuple):
     """A block's sub-modules as callables, built by a face (linen or nnx) for `block_forward`.
 
     norm: `(name, x) -> x` through the norm `name` (attention_norm, mlp_norm,
       attention_post_norm, mlp_post_norm).
-    attention: `(h, deterministic, decode, head_mask, segment_ids) -> [..., T, D]`.
+    attention: `(h, call: CallArgs) -> [..., T, D]`.
     dense: `(name, h) -> h` through the MLP projection `name` (mlp_in, mlp_gate, mlp_out).
     dropout: `(x, deterministic) -> x`, residual dropout.
     hook: `(name, x) -> x` through the block's hook point `name`.
@@ -586,15 +584,7 @@ def _mlp(config: TransformerConfig, layers: BlockLayers, h: Array) -> Array:
     return dense("mlp_out", hook("mlp_hook_post", post))  # (..., T, D)
 
 
-def block_forward(
-    config: TransformerConfig,
-    layers: BlockLayers,
-    x: Array,
-    deterministic: bool = True,
-    decode: bool = False,
-    head_mask: Any = None,
-    segment_ids: Any = None,
-) -> Array:
+def block_forward(config: TransformerConfig, layers: BlockLayers, x: Array, call: CallArgs) -> Array:
     """One transformer block on `x` `[batch..., T, d_model]` (the output the same shape).
 
     x + Dropout(attn(norm(x))), then x + Dropout(MLP(norm(x))), the norms
@@ -604,26 +594,22 @@ def block_forward(
     `qkv_jax.interpretability.cache.hook_name`): hook_resid_pre,
     hook_attn_out, hook_resid_mid, mlp_hook_pre (before the activation; the
     gate's with gated_mlp), mlp_hook_pre_linear (gated: mlp_in's output),
-    mlp_hook_post, hook_mlp_out, hook_resid_post. `head_mask` `[num_heads]`.
+    mlp_hook_post, hook_mlp_out, hook_resid_post. `call.head_mask` `[num_heads]`.
     """
     if x.ndim < 2 or x.shape[-1] != config.d_model:
         raise ValueError(
             f"TransformerBlock: x must have shape [batch..., T, d_model={config.d_model}], "
             f"got {list(x.shape)}"
         )
-    check_head_mask("TransformerBlock", head_mask, (config.num_heads,))
+    check_head_mask("TransformerBlock", call.head_mask, (config.num_heads,))
     hook = layers.hook
     x = hook("hook_resid_pre", x)  # (..., T, D)
-
-    def attend(h: Array) -> Array:
-        return layers.attention(h, deterministic, decode, head_mask, segment_ids)  # (..., T, D)
-
-    h = _sublayer(config, layers, "attention", x, attend)  # (..., T, D)
-    mid = hook("hook_resid_mid", x + layers.dropout(hook("hook_attn_out", h), deterministic))
+    h = _sublayer(config, layers, "attention", x, lambda h: layers.attention(h, call))  # (..., T, D)
+    mid = hook("hook_resid_mid", x + layers.dropout(hook("hook_attn_out", h), call.deterministic))
     h = _sublayer(
         config, layers, "mlp", x if config.parallel_block else mid, lambda h: _mlp(config, layers, h)
     )
-    return hook("hook_resid_post", mid + layers.dropout(hook("hook_mlp_out", h), deterministic))
+    return hook("hook_resid_post", mid + layers.dropout(hook("hook_mlp_out", h), call.deterministic))
 
 
 class LMLayers(NamedTuple):
@@ -631,7 +617,7 @@ class LMLayers(NamedTuple):
 
     embed: tokens `[..., T]` -> token embeddings `[..., T, D]`.
     position_table: `() -> [max_len, D]` (read with learned positions only).
-    block: `(layer, x, deterministic, decode, head_mask [N] | None, segment_ids) -> x`.
+    block: `(layer, x, call: CallArgs) -> x`, the call's head_mask that layer's row `[N]`.
     final_norm: `x -> x`.
     embedding_table: `() -> [V, D]`, the token embedding (read by a tied head).
     head: `x -> [..., T, V]` (None with tie_embeddings).
@@ -649,14 +635,7 @@ class LMLayers(NamedTuple):
 
 
 def lm_forward(
-    config: TransformerConfig,
-    layers: LMLayers,
-    tokens: Array,
-    deterministic: bool = True,
-    decode: bool = False,
-    head_mask: Any = None,
-    segment_ids: Any = None,
-    decode_index: Any = None,
+    config: TransformerConfig, layers: LMLayers, tokens: Array, call: CallArgs, decode_index: Any = None
 ) -> tuple[Array, Any]:
     """The language model on `tokens` `[batch..., T]` (int): `(logits [batch..., T, V] float32,
     the next decode index or None)`.
@@ -664,15 +643,15 @@ def lm_forward(
     `decode_index`: the model's `cache_index` when decoding from a cache (None:
     not decoding, or the call that creates the cache). Embeddings (times
     `embedding_scale`; hook_embed), learned positions (hook_pos_embed,
-    broadcast to `[..., T, D]`), residual dropout, the blocks (`head_mask`
+    broadcast to `[..., T, D]`), residual dropout, the blocks (`call.head_mask`
     `[num_layers, num_heads]`, row l to block l), the final norm, the head
     (or the token embedding's transpose with tie_embeddings), float32, then
     the final soft cap.
     """
-    check_tokens(tokens, decode, config, segment_ids)
-    check_head_mask("TransformerLM", head_mask, (config.num_layers, config.num_heads))
+    check_tokens(tokens, call.decode, config, call.segment_ids)
+    check_head_mask("TransformerLM", call.head_mask, (config.num_layers, config.num_heads))
     new_index, positions = token_positions(
-        tokens.shape[-1], decode_index, segment_ids, decode_capacity(config)
+        tokens.shape[-1], decode_index, call.segment_ids, decode_capacity(config)
     )
     x = layers.embed(tokens)  # (..., T, D)
     if config.embedding_scale is not None:
@@ -680,10 +659,10 @@ def lm_forward(
     x = layers.hook("hook_embed", x)
     if config.positions == "learned":
         x = x + layers.hook("hook_pos_embed", position_embeddings(layers.position_table(), positions, x))
-    x = layers.dropout(x, deterministic)
+    x = layers.dropout(x, call.deterministic)
     for layer in range(config.num_layers):
-        layer_mask = None if head_mask is None else head_mask[layer]  # (N,)
-        x = layers.block(layer, x, deterministic, decode, layer_mask, segment_ids)  # (..., T, D)
+        layer_mask = None if call.head_mask is None else call.head_mask[layer]  # (N,)
+        x = layers.block(layer, x, call._replace(head_mask=layer_mask))  # (..., T, D)
     x = layers.final_norm(x)
     if layers.head is None:
         x, table = nn.dtypes.promote_dtype(x, layers.embedding_table(), dtype=config.dtype)
@@ -736,9 +715,9 @@ class TransformerBlock(nn.Module):
     def __call__(self, x, deterministic: bool = True, decode: bool = False, head_mask=None, segment_ids=None):
         config = self.config
 
-        def attention(h, deterministic, decode, head_mask, segment_ids):
+        def attention(h: Array, call: CallArgs) -> Array:
             return MultiHeadAttention(**attention_options(config, self.layer), name="attention")(
-                h, deterministic=deterministic, decode=decode, head_mask=head_mask, segment_ids=segment_ids
+                h, **call._asdict()
             )
 
         layers = BlockLayers(
@@ -748,7 +727,7 @@ class TransformerBlock(nn.Module):
             dropout=lambda h, deterministic: nn.Dropout(config.residual_dropout_rate)(h, deterministic),
             hook=functools.partial(_hook, self),
         )
-        return block_forward(config, layers, x, deterministic, decode, head_mask, segment_ids)
+        return block_forward(config, layers, x, CallArgs(deterministic, decode, head_mask, segment_ids))
 
 
 class TransformerLM(nn.Module):
@@ -812,23 +791,15 @@ class TransformerLM(nn.Module):
             position_table=lambda: self.param(
                 "position_embedding", embedding_init, (config.max_len, config.d_model), config.param_dtype
             ),
-            block=lambda layer, *args: TransformerBlock(config, layer, name=f"block_{layer}")(*args),
+            block=lambda layer, x, call: TransformerBlock(config, layer, name=f"block_{layer}")(x, *call),
             final_norm=Norm(**_norm_options(config), name="final_norm"),
             embedding_table=lambda: token_embedding.embedding,
             head=head,
             dropout=lambda x, deterministic: nn.Dropout(config.residual_dropout_rate)(x, deterministic),
             hook=functools.partial(_hook, self),
         )
-        logits, new_index = lm_forward(
-            config,
-            layers,
-            tokens,
-            deterministic,
-            decode,
-            head_mask,
-            segment_ids,
-            index.value if initialized else None,
-        )
+        call = CallArgs(deterministic, decode, head_mask, segment_ids)
+        logits, new_index = lm_forward(config, layers, tokens, call, index.value if initialized else None)
         if index is not None and new_index is not None:
             index.value = new_index
         return logits
