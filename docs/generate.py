@@ -4,6 +4,8 @@ r"""Rebuilds the generated parts of the documentation from measured outputs.
   python -m docs.generate experiments [--only STUDY ...]   # docs/experiments.md (docs/experiments_doc.py)
   python -m docs.generate reliability  # docs/reliability.md from the tests' reliability marks and
                                        # the launcher fuzzer's record, docs/launcher_fuzz.json
+  python -m docs.generate faces        # the option fields of both MultiHeadAttention faces, from
+                                       # AttentionOptions (docs/faces.py)
 
 Each part is written between `<!-- generated:NAME -->` and
 `<!-- end generated:NAME -->` markers, with the command that regenerated it.
@@ -143,7 +145,13 @@ def reliability() -> None:
         print(f"launcher fuzz: {record['cases']:,} cases, seed {record['seed']} ({where})")
 
 
-PARTS = {"readme": readme, "experiments": experiments, "reliability": reliability}
+def faces() -> None:
+    from docs.faces import generate
+
+    generate()
+
+
+PARTS = {"readme": readme, "experiments": experiments, "reliability": reliability, "faces": faces}
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ from qkv_jax.heads import (
     _check_inputs,
     _check_lora,
     _check_pattern_request,
-    _check_positive,
+    _check_positive_fields,
     attend_heads,
     torch_linear_init,
 )
@@ -319,13 +319,63 @@ class AttentionOptions:
     """Every option of multi-head attention, declared once; the checks run when it is built.
 
     The linen `MultiHeadAttention`'s fields and the nnx `MultiHeadAttention`'s
-    constructor keywords carry these names and defaults (tests/modules/test_faces_attention.py
-    holds them equal); each face builds one `AttentionOptions` from them
-    (`AttentionOptions.pick`) and the core reads nothing else. The meaning of
-    each field is in the linen `MultiHeadAttention`'s docstring. What only one
+    constructor keywords carry these names and defaults: flax's own by hand, in
+    flax's order, and the others written from here by `python -m docs.generate
+    faces` (tests/modules/test_faces_attention.py fails while a face lacks
+    one). Each face builds one `AttentionOptions` from them
+    (`AttentionOptions.pick`) and the core reads nothing else. What only one
     face has stays there: the initializers, `dot_general`s, `decode` and
     `deterministic` (flax's defaults differ between linen and nnx), nnx's
     `in_features`, `rngs` and metadata.
+
+    flax's options have flax's meaning (`flax.linen.MultiHeadDotProductAttention`;
+    see the linen face). qkv_jax's own:
+      num_kv_heads: K key/value heads, dividing N (default N; 1 = multi-query).
+      head_dim: H (instead of qkv_features); v_head_dim: Hv (default H).
+      kv_latent_dim: C, multi-head latent attention (MLA): a 'kv_latent' kernel
+        `[D_kv, C]` maps each position to a latent, key and value kernels are
+        `[C, K, H]` / `[C, K, Hv]` and rebuild K and V from it; a decode cache
+        holds only the latent.
+      absorb_latent: MLA decoding attends over the cached latents with the key
+        up-projection folded into the query and the value up-projection into
+        W_O ("weight absorption"), never building K and V; False rebuilds K
+        and V from the latents at every step (the same outputs).
+      is_causal: key s is visible to query t when s <= t (top-left, as jax.nn
+        and flax.nnx; self-attention is the usual causal mask).
+      scale: of the logits, default 1/sqrt(H).
+      sow_weights: sow the weights on every call (as the call's `sow_weights`).
+      attention_implementation: `qkv_jax.dot_product_attention`'s
+        `implementation` (None: its dispatch rule). Sowing weights or dropout
+        take "reference", the only path that does either.
+      lora_rank, lora_alpha, lora_targets: LoRA adapters (`LoRADenseGeneral`:
+        `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside each kernel, which
+        keeps its place) on the projections named in lora_targets (of
+        `ATTENTION_LORA_TARGETS`), scaled by lora_alpha / lora_rank; 0 = none.
+      normalize_qk: flax's True (a LayerNorm), or "layernorm" (the same),
+        "rms" (an RMSNorm: x / rms(x) * scale) or "rms_offset" (Gemma's:
+        x / rms(x) * (1 + scale), scale zero at init, in float32); the
+        parameters are `query_ln`/`key_ln` `scale` either way.
+      qk_norm_width: "head" (each head's query and key over H, one gain
+        `[H]` shared by the heads: flax's, Qwen3's, Gemma 3's) or "full" (the
+        query over its N * H features, the key over K * H: OLMo 2's; gains
+        `[N * H]` and `[K * H]`). qk_norm_epsilon: the norms' epsilon (1e-6).
+      local_window_size: jax.nn's (an int w = (w, w), or (left, right), both
+        >= 0): query t sees key s only when t - left <= s <= t + right (in
+        positions, so after a decode cache's index). With is_causal, (w - 1, 0)
+        is a causal window of w keys, the query's own included.
+      rope_base: rotary position embeddings (RoPE) of the queries and keys
+        with this base (None: none), after the projections and query_ln /
+        key_ln, before the decode cache (which so holds rotated keys); not
+        defined with kv_latent_dim. rope_fraction: the leading
+        int(H * rope_fraction) dims of each head rotate (an even number; GPT-NeoX's
+        partial rotary; `qkv_jax.positions`).
+      attn_logits_soft_cap: c, the logits become c * tanh(logits / c) (None: off).
+      use_sinks: a learned sink logit per head (`sinks` `[N]`, zero at init)
+        in every softmax's denominator: it takes weight and gives no value.
+      out_bias: whether W_O has a bias (None: `use_bias`, which then covers
+        the query, key and value projections only when out_bias is set).
+      rope_scaling: a `qkv_jax.positions.RopeScaling` ("linear", "llama3" or
+        "yarn") applied to the RoPE frequencies (None: unscaled).
     """
 
     # Sizes: N query heads, K key/value heads, head depths, MLA's latent.
@@ -437,15 +487,8 @@ def check_attention_settings(owner: str, settings: AttentionOptions) -> None:
         ATTENTION_LORA_TARGETS,
         settings.kv_latent_dim,
     )
-    _check_positive(
-        owner,
-        num_heads=settings.num_heads,
-        qkv_features=settings.qkv_features,
-        head_dim=settings.head_dim,
-        num_kv_heads=settings.num_kv_heads,
-        v_head_dim=settings.v_head_dim,
-        out_features=settings.out_features,
-        kv_latent_dim=settings.kv_latent_dim,
+    _check_positive_fields(
+        owner, settings, "num_heads qkv_features head_dim num_kv_heads v_head_dim out_features kv_latent_dim"
     )
     _check_heads(owner, settings.num_heads, settings.num_kv_heads)
     _check_dropout(owner, settings.dropout_rate)
@@ -1282,55 +1325,10 @@ class MultiHeadAttention(Inspectable):
       projections), qk_attn_weights_einsum_cls / attn_weights_value_einsum_cls
       (passed to an attention_fn that takes them).
 
-    qkv_jax's own fields:
-      num_kv_heads: K key/value heads, dividing N (default N; 1 = multi-query).
-      head_dim: H (instead of qkv_features); v_head_dim: Hv (default H).
-      kv_latent_dim: C, multi-head latent attention (MLA): a 'kv_latent' kernel
-        `[D_kv, C]` maps each position to a latent, key and value kernels are
-        `[C, K, H]` / `[C, K, Hv]` and rebuild K and V from it; a decode cache
-        holds only the latent.
-      absorb_latent: MLA decoding attends over the cached latents with the key
-        up-projection folded into the query and the value up-projection into
-        W_O ("weight absorption"), never building K and V; False rebuilds K
-        and V from the latents at every step (the same outputs).
-      is_causal: key s is visible to query t when s <= t (top-left, as jax.nn
-        and flax.nnx; self-attention is the usual causal mask).
-      scale: of the logits, default 1/sqrt(H).
-      sow_weights: sow the weights on every call (as the call's `sow_weights`).
-      attention_implementation: `qkv_jax.dot_product_attention`'s
-        `implementation` (None: its dispatch rule). Sowing weights or dropout
-        take "reference", the only path that does either.
-      lora_rank, lora_alpha, lora_targets: LoRA adapters (`LoRADenseGeneral`:
-        `lora_a` `[in..., r]`, `lora_b` `[r, out...]` beside each kernel, which
-        keeps its place) on the projections named in lora_targets (of
-        `ATTENTION_LORA_TARGETS`), scaled by lora_alpha / lora_rank; 0 = none.
-      normalize_qk: flax's True (a LayerNorm), or "layernorm" (the same),
-        "rms" (an RMSNorm: x / rms(x) * scale) or "rms_offset" (Gemma's:
-        x / rms(x) * (1 + scale), scale zero at init, in float32); the
-        parameters are `query_ln`/`key_ln` `scale` either way.
-      qk_norm_width: "head" (each head's query and key over H, one gain
-        `[H]` shared by the heads: flax's, Qwen3's, Gemma 3's) or "full" (the
-        query over its N * H features, the key over K * H: OLMo 2's; gains
-        `[N * H]` and `[K * H]`). qk_norm_epsilon: the norms' epsilon (1e-6).
-      local_window_size: jax.nn's (an int w = (w, w), or (left, right), both
-        >= 0): query t sees key s only when t - left <= s <= t + right (in
-        positions, so after a decode cache's index). With is_causal, (w - 1, 0)
-        is a causal window of w keys, the query's own included.
-      rope_base: rotary position embeddings (RoPE) of the queries and keys
-        with this base (None: none), after the projections and query_ln /
-        key_ln, before the decode cache (which so holds rotated keys); not
-        defined with kv_latent_dim. rope_fraction: the leading
-        int(H * rope_fraction) dims of each head rotate (an even number; GPT-NeoX's
-        partial rotary; `qkv_jax.positions`).
-      attn_logits_soft_cap: c, the logits become c * tanh(logits / c) (None: off).
-      use_sinks: a learned sink logit per head (`sinks` `[N]`, zero at init)
-        in every softmax's denominator: it takes weight and gives no value.
-      out_bias: whether W_O has a bias (None: `use_bias`, which then covers
-        the query, key and value projections only when out_bias is set).
-      rope_scaling: a `qkv_jax.positions.RopeScaling` ("linear", "llama3" or
-        "yarn") applied to the RoPE frequencies (None: unscaled).
+    qkv_jax's own fields: every other `AttentionOptions` field, with its type
+    and default; `AttentionOptions` gives each one's meaning.
 
-    Every option above except the initializers, `dot_general`s, `decode` and
+    Every field except the initializers, `dot_general`s, `decode` and
     `deterministic` is an `AttentionOptions` field of the same name and default;
     `options()` gives this module's, and the core (`multi_head_attention`)
     reads nothing else.
@@ -1390,28 +1388,29 @@ class MultiHeadAttention(Inspectable):
     out_dot_general_cls: Any = None
     qk_attn_weights_einsum_cls: Any = None
     attn_weights_value_einsum_cls: Any = None
-    # qkv_jax's
+    # generated:options - AttentionOptions' fields flax has not (python -m docs.generate faces)
     num_kv_heads: int | None = None
     head_dim: int | None = None
     v_head_dim: int | None = None
     kv_latent_dim: int | None = None
     absorb_latent: bool = True
-    is_causal: bool = False
-    scale: float | None = None
-    sow_weights: bool = False
-    attention_implementation: str | None = None
+    out_bias: bool | None = None
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("query", "value")
-    local_window_size: int | tuple[int, int] | None = None
+    qk_norm_width: str = "head"
+    qk_norm_epsilon: float = 1e-06
     rope_base: float | None = None
     rope_fraction: float = 1.0
+    rope_scaling: RopeScaling | None = None
+    is_causal: bool = False
+    local_window_size: int | tuple[int, int] | None = None
+    attention_implementation: str | None = None
+    scale: float | None = None
     attn_logits_soft_cap: float | None = None
     use_sinks: bool = False
-    out_bias: bool | None = None
-    qk_norm_width: str = "head"
-    qk_norm_epsilon: float = 1e-6
-    rope_scaling: RopeScaling | None = None
+    sow_weights: bool = False
+    # end generated:options
 
     def __post_init__(self):
         self.options()  # the checks, at construction

@@ -32,6 +32,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from qkv_jax.attention import PrecisionLike
+from qkv_jax.heads import _check_positive
 from qkv_jax.lora import check_adapter, default_lora_a_init, lora_update
 from qkv_jax.modules import (
     OWNER,
@@ -40,7 +41,6 @@ from qkv_jax.modules import (
     AttentionOptions,
     AttentionRequest,
     DecodeCache,
-    _check_positive,
     cache_slots,
     flax_dot_product_attention,
     layer_norm,
@@ -162,17 +162,14 @@ class MultiHeadAttention(nnx.Module):
     keep_rngs), and the decode cache `cached_key`, `cached_value`,
     `cache_index` (`nnx.Cache`, created by `init_cache`).
 
-    qkv_jax's keywords (see the linen `qkv_jax.MultiHeadAttention`): head_dim,
-    v_head_dim, kv_latent_dim (MLA: `kv_latent` `[D_kv, C]`, key/value
-    `[C, K, H]`, the cache holds `cached_latent` `[batch..., L, C]`),
-    absorb_latent, is_causal (key s visible to query t when s <= t), scale,
-    force_fp32_for_softmax, sow_weights, attention_implementation, lora_rank,
-    lora_alpha, lora_targets (`qkv_jax.lora.LoRALinearGeneral` projections),
-    normalize_qk also "layernorm" or "rms" (`nnx.RMSNorm`), local_window_size
-    (a ring-buffer cache of left + 1 slots when narrower than the cache),
-    rope_base, rope_fraction and rope_scaling (RoPE), attn_logits_soft_cap, use_sinks
-    (`sinks` `[N]`, an `nnx.Param`, zero at init), out_bias, qk_norm_width and
-    qk_norm_epsilon (normalize_qk "rms_offset": `qkv_jax.nnx.norms.Norm`). The
+    qkv_jax's keywords: every other `AttentionOptions` field, with its type and
+    default (`AttentionOptions` gives each one's meaning; with kv_latent_dim the
+    sub-module `kv_latent` `[D_kv, C]`, key/value `[C, K, H]`, and the cache holds
+    `cached_latent` `[batch..., L, C]`; lora_targets' projections are
+    `qkv_jax.lora.LoRALinearGeneral`; normalize_qk "rms" is `nnx.RMSNorm` and
+    "rms_offset" `qkv_jax.nnx.norms.Norm`; use_sinks adds the `nnx.Param`
+    `sinks` `[N]`, zero at init; a local_window_size narrower than the cache
+    keeps a ring buffer of left + 1 slots). The
     options are one `AttentionOptions` (`options`, also each as an attribute
     of its name); the computation is the linen face's core,
     `qkv_jax.modules.multi_head_attention`.
@@ -240,27 +237,31 @@ class MultiHeadAttention(nnx.Module):
         out_bias_metadata: Mapping[str, Any] = _EMPTY,
         query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
         key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+        # generated:options - AttentionOptions' fields flax has not (python -m docs.generate faces)
         head_dim: int | None = None,
         v_head_dim: int | None = None,
         kv_latent_dim: int | None = None,
         absorb_latent: bool = True,
-        is_causal: bool = False,
-        scale: float | None = None,
-        force_fp32_for_softmax: bool = False,
-        sow_weights: bool = False,
-        attention_implementation: str | None = None,
+        out_bias: bool | None = None,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] = ("query", "value"),
-        local_window_size: int | tuple[int, int] | None = None,
+        qk_norm_width: str = "head",
+        qk_norm_epsilon: float = 1e-06,
         rope_base: float | None = None,
         rope_fraction: float = 1.0,
+        rope_scaling: RopeScaling | None = None,
+        is_causal: bool = False,
+        local_window_size: int | tuple[int, int] | None = None,
+        attention_implementation: str | None = None,
+        scale: float | None = None,
         attn_logits_soft_cap: float | None = None,
         use_sinks: bool = False,
-        out_bias: bool | None = None,
-        qk_norm_width: str = "head",
-        qk_norm_epsilon: float = 1e-6,
-        rope_scaling: RopeScaling | None = None,
+        force_fp32_for_softmax: bool = False,
+        qk_attn_weights_einsum_cls: Any = None,
+        attn_weights_value_einsum_cls: Any = None,
+        sow_weights: bool = False,
+        # end generated:options
     ):
         arguments: Mapping[str, Any] = MappingProxyType(dict(locals()))
         self._settle(AttentionOptions.pick(arguments), in_features, in_kv_features)
