@@ -229,6 +229,7 @@ def run_as_user(*args):
     return result.returncode, error_lines(result)
 
 
+@pytest.mark.slow
 @pytest.mark.reliability(
     "Config and command line",
     "unknown config variant (`file.py:nope`, `file.py:a:b`); a config file the user cannot read, one "
@@ -260,6 +261,7 @@ def test_config_files_and_required_flags(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.reliability(
     "Config and command line",
     "a workdir that is a file, one under a file, one the user cannot write (a read-only directory), one "

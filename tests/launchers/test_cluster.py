@@ -310,6 +310,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch, reference_run):
     assert_same_run(tmp_path, reference_run, small_config())
 
 
+@pytest.mark.slow
 @pytest.mark.reliability(
     "Disk",
     "the workdir's filesystem fills up during training (a 4 MiB tmpfs, filled after step 10)",

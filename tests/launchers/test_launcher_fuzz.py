@@ -329,6 +329,7 @@ def test_refused_launches_write_nothing(places):
         check_result(launch_train(*real), real, workdir, snapshots.get(workdir), SEED + 1000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(SUBPROCESS_CASES))
 def test_fuzzed_command_lines_in_a_subprocess(index, places):
     """A few cases through `python -m experiments.train` itself (absl's app, the interpreter's exit)."""

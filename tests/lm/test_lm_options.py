@@ -214,17 +214,19 @@ def test_cached_decoding_equals_the_full_pass_linen_and_nnx(name):
     )
     model = lm.TransformerLM(config)
     params = {k: v for k, v in params.items() if k != "position_embedding"}
-    full = model.apply({"params": params}, TOKENS)
+    full = jax.jit(model.apply)({"params": params}, TOKENS)
     variables = {"params": params, "cache": lm.init_cache(model, B)}
     steps = []
+    decode = jax.jit(functools.partial(model.apply, decode=True, mutable=["cache"]))
     for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7)):
-        logits, state = model.apply(variables, TOKENS[:, start:stop], decode=True, mutable=["cache"])
+        logits, state = decode(variables, TOKENS[:, start:stop])
         variables = {"params": params, "cache": state["cache"]}
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
     twin = qnnx.linen_to_nnx({"params": params}, qnnx.TransformerLM(config, rngs=nnx.Rngs(0)))
     twin.init_cache(B)
-    nnx_steps = [twin(TOKENS[:, start:stop], decode=True) for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7))]
+    nnx_decode = nnx.jit(lambda model, tokens: model(tokens, decode=True))
+    nnx_steps = [nnx_decode(twin, TOKENS[:, start:stop]) for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7))]
     np.testing.assert_allclose(jnp.concatenate(nnx_steps, axis=1), full, atol=1e-5, rtol=1e-5)
     greedy = lm.generate(model, params, TOKENS[:, :3], 4, rng=jax.random.PRNGKey(0), temperature=0.0)
     np.testing.assert_array_equal(

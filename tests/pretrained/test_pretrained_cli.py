@@ -70,6 +70,7 @@ def greedy(directory, ids, new_tokens):
     return out[0, len(ids) :].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
     directory = checkpoints[kind]
@@ -90,6 +91,7 @@ def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
     assert "\n".join(lines[1:first_ids]) == text
 
 
+@pytest.mark.slow
 def test_generate_past_the_models_positions_is_one_line(checkpoints):
     result = launch(
         "generate",
@@ -417,6 +419,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.reliability(
     "Pretrained checkpoints",
     "experiments.generate / experiments.report --pretrained with a prompt whose tokens lie outside the "

@@ -179,6 +179,7 @@ def test_bad_inputs_are_one_line_each(sources, tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.reliability(
     "Pretrained checkpoints",
     "experiments.export into an --out that already holds a file, or from a workdir without checkpoints",

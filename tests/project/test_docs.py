@@ -192,6 +192,7 @@ def test_session_guide_runs_in_order(doc, tmp_path, shell_env):
     assert "python" in ran
 
 
+@pytest.mark.slow
 def test_text_blocks_show_what_commands_print(tmp_path, shell_env):
     checked = 0
     for body in blocks("text"):

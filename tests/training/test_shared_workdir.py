@@ -276,6 +276,7 @@ def test_damaged_summary_is_recomputed(run_copy, finished):
         assert recomputed[name] == original[name], name
 
 
+@pytest.mark.slow
 @pytest.mark.reliability(
     "Damaged workdir files",
     "the lock file holding garbage; the lock file replaced by a directory; a live holder whose record "
