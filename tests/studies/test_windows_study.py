@@ -2,6 +2,7 @@
 
 import pytest
 
+import studies.windows
 from configs import char_lm
 from qkv_jax.lm import kv_cache_bytes, layer_windows
 from qkv_jax.training.setup import to_dict
@@ -24,7 +25,9 @@ def test_each_arms_cache_holds_its_windows_positions_per_layer():
 
 
 @pytest.mark.slow
-def test_windows_study_pairs_each_arm_with_all_global(tmp_path):
+def test_windows_study_pairs_each_arm_with_all_global(tmp_path, monkeypatch):
+    # Decode speed at one batch size (each size compiles `generate` once per arm).
+    monkeypatch.setattr(studies.windows, "DECODE_BATCHES", (1,))
     corpus = tmp_path / "code.txt"
     corpus.write_text("".join(f"def add_{i}(x):\n    return x + {i % 10}\n\n" for i in range(400)))
     config = char_lm.get_config("study")
@@ -38,6 +41,7 @@ def test_windows_study_pairs_each_arm_with_all_global(tmp_path):
     assert arms == ["all global", "all local 64", "all local 32", "all local 16", "alternating 16 / full"]
     assert results["rows"][0]["minus_global"]["mean"] == 0.0
     cache = {r["window"]: r["cache_bytes"] for r in results["rows"]}
+    assert results["batches"] == [1] and all(r["decode_tokens_per_s_batch1"] > 0 for r in results["rows"])
     assert cache["16"] < cache["16,full"] < cache["full"]
     record = write_study_results(tmp_path, results, "python -m experiments.study windows", STUDIES["windows"])
     assert (tmp_path / "windows.png").exists() and len(record["table"]) == 2 + 5 + 2
