@@ -411,24 +411,27 @@ def test_reading_runs_while_they_train(tmp_path):
     }
     outcomes = {name: [] for name in readers}
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and any(run.poll() is None for run in runs):
-        for name, args in readers.items():
-            result = subprocess.run(
-                [sys.executable, "-m", *args, cache_flag()], cwd=ROOT, capture_output=True, text=True,
-                timeout=300, env=launcher_env(),
-            )  # fmt: skip
-            assert "Traceback" not in result.stdout + result.stderr, (name, result.stderr[-3000:])
-            lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-            assert result.returncode == 0 or (result.returncode == 2 and len(lines) == 1), (
-                name,
-                result.stderr,
-            )
-            outcomes[name].append(result.returncode)
-        if all(outcomes[name].count(0) >= 2 for name in readers):
-            break
-    for run in runs:
-        run.terminate()  # SIGTERM: each saves a checkpoint and stops
-        assert run.wait(timeout=120) in (0, 75)
+    try:  # a failed assertion still stops both runs (each trains for 400000 steps)
+        while time.monotonic() < deadline and any(run.poll() is None for run in runs):
+            for name, args in readers.items():
+                result = subprocess.run(
+                    [sys.executable, "-m", *args, cache_flag()], cwd=ROOT, capture_output=True, text=True,
+                    timeout=300, env=launcher_env(),
+                )  # fmt: skip
+                assert "Traceback" not in result.stdout + result.stderr, (name, result.stderr[-3000:])
+                lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+                assert result.returncode == 0 or (result.returncode == 2 and len(lines) == 1), (
+                    name,
+                    result.stderr,
+                )
+                outcomes[name].append(result.returncode)
+            if all(outcomes[name].count(0) >= 2 for name in readers):
+                break
+    finally:
+        for run in runs:
+            run.terminate()  # SIGTERM: each saves a checkpoint and stops
+        codes = [run.wait(timeout=120) for run in runs]
+    assert all(code in (0, 75) for code in codes), codes
     assert all(outcomes[name].count(0) >= 2 for name in readers), outcomes
     report = json.loads((flag / "report.json").read_text())
     assert report["step"] > 0 and (flag / "report.html").stat().st_size > 0
