@@ -28,19 +28,19 @@ DATA = pathlib.Path(__file__).parent / "data"
 jax.config.update("jax_default_matmul_precision", "highest")
 # As jax's own test harness runs: broadcasting only where the code asks for it (an array of
 # lower rank never meets a higher one silently), and JAX's internal type checks of traced
-# programs (custom VJPs' cotangents, loop carries) on.
+# programs (custom VJPs' cotangents, loop carries) on (but see `internal_checks`).
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_checks", True)
 
 
 @pytest.fixture(autouse=True)
-def internal_checks_outside_end_to_end_runs(request):
-    """jax_enable_checks is on for every test but those marked slow as end-to-end runs (a
-    study, a launcher, a training run), which trace the functions the other tests check: there
-    the checks cost ~10% of the time (the windows study: 78 s with them, 69 s without; on the
-    fast tier of tests/lm and tests/modules the difference was within the machine's noise)."""
+def internal_checks(request):
+    """jax_enable_checks is on for every test of the full suite but those marked slow as
+    end-to-end runs (a study, a launcher, a training run), which trace the functions the other
+    tests check: there the checks cost ~10% of the time (the windows study: 78 s with them, 69 s
+    without). The fast tier runs without them (pytest_configure)."""
     end_to_end = request.node.get_closest_marker("slow") is not None and request.node not in REPEATED_CASES
-    if not end_to_end:
+    if not end_to_end or not jax.config.jax_enable_checks:
         yield
         return
     jax.config.update("jax_enable_checks", False)
@@ -92,13 +92,21 @@ def pytest_make_parametrize_id(config, val, argname):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(area, case, behaviour): a row of docs/reliability.md")
+    # The fast tier (-m "not slow") runs without jax_enable_checks, its module fixtures included:
+    # they cost 12% of its time (222.5 s with them, 195.3 s without, on 2 cores), and every test
+    # it runs runs with them in the full suite, which is what CI runs.
+    if (config.getoption("markexpr", "") or "").replace(" ", "") == "notslow":
+        jax.config.update("jax_enable_checks", False)
 
 
-# The fast tier (-m "not slow") runs every test function, but of a function parametrized over
-# FAST_TIER_CASES or more cases only the first: the other cases (another dtype, path or layout
-# of the same check) carry the `slow` mark and run in the full suite. On 2 CPU cores this
-# halves the fast tier's test time (812 s -> about 450 s).
-FAST_TIER_CASES = 3
+# The fast tier (-m "not slow") runs every test function outside tests/launchers/ (runs through
+# the launchers, end to end) that needs no browser, but of a parametrized function only the
+# first case: the other cases (another dtype, path or layout of the same check) carry the
+# `slow` mark and run in the full suite, as do the tests that drive Chromium (the `browser`
+# fixture: a browser process per module, ~1.7 s a test). On 2 CPU cores the first-case rule
+# halved the fast tier's test time (812 s -> about 450 s, at three or more cases); two cases
+# and the browser tests cut it from 446 s to 385 s; the launchers' tests were a further 25 s.
+FAST_TIER_CASES = 2
 
 
 # The cases mark_repeated_cases_slow marked (they keep jax_enable_checks: they are not end-to-end runs).
@@ -110,6 +118,11 @@ def mark_repeated_cases_slow(items) -> None:
     for item in items:
         key = (item.path, getattr(item, "cls", None), getattr(item, "originalname", item.name))
         cases.setdefault(key, []).append(item)
+        if item.path.parent.name == "launchers":  # runs through the launchers: end to end
+            item.add_marker(pytest.mark.slow)
+        elif "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+            REPEATED_CASES.add(item)
     for group in cases.values():
         if len(group) >= FAST_TIER_CASES:
             for item in group[1:]:
