@@ -25,6 +25,7 @@ id 0).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -138,6 +139,18 @@ def _check_corpus(config: dict, train_ids: np.ndarray, validation_ids: np.ndarra
             )
 
 
+# Jitted with the model static, so that one evaluation traces each (model, shape) once: the
+# training and validation losses of a causal model, the head ablation's masks and its baseline.
+@functools.partial(jax.jit, static_argnums=0)
+def _mean_loss(
+    model: TransformerLM, params: Any, batch: dict, head_mask: jax.Array | None = None
+) -> jax.Array:
+    """Cross-entropy (nats) of `model` on `batch` ("inputs", "targets" `[B, T]`), with
+    `head_mask` `[L, N]` (1 keeps a head's output, 0 zeroes it) when given."""
+    logits = model.apply({"params": params}, batch["inputs"], head_mask=head_mask)  # (B, T, V)
+    return cross_entropy(jnp.asarray(logits), batch["targets"])
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
 class CharLM:
     """The char LM's pure functions (`Setup`'s fields are its bound methods).
@@ -176,14 +189,10 @@ class CharLM:
         train_batch = self.windows(train_key, data["train"], size)
         validation_batch = self.windows(validation_key, data["validation"], size)
 
-        def mean_loss(model: TransformerLM, batch: dict) -> jax.Array:
-            logits = jnp.asarray(model.apply({"params": params}, batch["inputs"]))  # (B, T, V)
-            return cross_entropy(logits, batch["targets"])
-
-        metrics = {"train_loss": mean_loss(self.model, train_batch)}
-        metrics["val_loss"] = mean_loss(self.honest, validation_batch)
+        metrics = {"train_loss": _mean_loss(self.model, params, train_batch)}
+        metrics["val_loss"] = _mean_loss(self.honest, params, validation_batch)
         if not self.model.config.causal:
-            metrics["val_unmasked_loss"] = mean_loss(self.model, validation_batch)
+            metrics["val_unmasked_loss"] = _mean_loss(self.model, params, validation_batch)
         metrics.update(
             {n.replace("loss", "bits_per_char"): v / NATS_PER_BIT for n, v in list(metrics.items())}
         )
@@ -201,10 +210,8 @@ class CharLM:
         inputs, targets = batch["inputs"][:size], batch["targets"][:size]  # (size, T) each
         layers, heads = self.model.config.num_layers, self.model.config.num_heads
 
-        def bits_per_char(head_mask: jax.Array) -> jax.Array:  # head_mask: (L, N)
-            logits = self.honest.apply({"params": params}, inputs, head_mask=head_mask)  # (size, T, V)
-            return cross_entropy(jnp.asarray(logits), targets) / NATS_PER_BIT
-
+        batch = {"inputs": inputs, "targets": targets}
+        bits_per_char = lambda head_mask: _mean_loss(self.honest, params, batch, head_mask) / NATS_PER_BIT
         ablated = lax.map(bits_per_char, head_ablation_masks(layers, heads))  # (L * N,)
         return ablated.reshape(layers, heads) - bits_per_char(jnp.ones((layers, heads)))
 

@@ -18,6 +18,7 @@ one-line ConfigError naming `model.<field>`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 from typing import Any
@@ -240,7 +241,14 @@ def causal_model(model: TransformerLM, **changes: Any) -> TransformerLM:
 def layer_attention(model: TransformerLM, params: Any, tokens: jax.Array) -> list[jax.Array]:
     """[attention weights `[B, N, T, T]` of block 0, block 1, ...] of `model` with the causal
     mask on `tokens` `[B, T]` (sown by the reference path)."""
-    probe = causal_model(model, sow_weights=True)
-    _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
-    weights = collect_attention_weights(state["intermediates"])
+    weights = _sown_attention(causal_model(model, sow_weights=True), params, tokens)
     return [weights[f"block_{layer}/attention"] for layer in range(model.config.num_layers)]
+
+
+# Jitted with the model static, so that an evaluation asking twice for the same model's
+# weights on inputs of one shape (the char LM's diagnostics and induction scores) traces the
+# model once.
+@functools.partial(jax.jit, static_argnums=0)
+def _sown_attention(probe: TransformerLM, params: Any, tokens: jax.Array) -> dict:
+    _, state = probe.apply({"params": params}, tokens, mutable=["intermediates"])
+    return collect_attention_weights(state["intermediates"])
