@@ -21,7 +21,7 @@ import numpy as np
 from qkv_jax.report.explorer import format_value, swept_fields, write_sweep_page
 from qkv_jax.report.run import write_explorer_page
 from qkv_jax.training.checkpoints import NoCheckpointError, read_params
-from qkv_jax.training.compiled import compile_for_platform
+from qkv_jax.training.compiled import run_compiled
 from qkv_jax.training.loop import seed_keys
 from qkv_jax.training.setup import build_setup
 from qkv_jax.training.validate import ConfigError
@@ -229,10 +229,9 @@ def _cell_page(directory: pathlib.Path, sweep: dict, cell: dict, prompt: str | N
         return False
     first_seed = lambda params: jax.tree.map(lambda x: x[0], params)
     keys = seed_keys(config["seed"])
-    params = first_seed(saved.tree)
     # Compiled as the trainer compiles its evaluation (qkv_jax.training.compiled).
-    evaluate = compile_for_platform(jax.jit(setup.evaluate), params, keys["eval"], setup.data)
-    metrics, _ = jax.device_get(evaluate(params, keys["eval"], setup.data))
+    params = first_seed(saved.tree)
+    metrics, _ = jax.device_get(run_compiled(setup.evaluate, params, keys["eval"], setup.data))
     untrained = jax.jit(setup.init)(keys["init"])
     write_explorer_page(directory, config, setup, untrained, first_seed, metrics, prompt)
     return True

@@ -109,11 +109,11 @@ def pytest_configure(config):
 FAST_TIER_CASES = 2
 
 
-# The cases mark_repeated_cases_slow marked (they keep jax_enable_checks: they are not end-to-end runs).
+# The tests mark_slow_outside_the_fast_tier marked that keep jax_enable_checks (not end-to-end runs).
 REPEATED_CASES: set = set()
 
 
-def mark_repeated_cases_slow(items) -> None:
+def mark_slow_outside_the_fast_tier(items) -> None:
     cases: dict[tuple, list] = {}
     for item in items:
         key = (item.path, getattr(item, "cls", None), getattr(item, "originalname", item.name))
@@ -134,7 +134,7 @@ def mark_repeated_cases_slow(items) -> None:
 def pytest_collection_modifyitems(session, config, items):
     """Records every reliability case, and marks the fast tier's repeated cases slow, before
     -m/-k deselect anything."""
-    mark_repeated_cases_slow(items)
+    mark_slow_outside_the_fast_tier(items)
     RELIABILITY_CASES.clear()
     COLLECTED_FILES.clear()
     for item in items:

@@ -44,7 +44,7 @@ from qkv_jax.lm import TransformerConfig, TransformerLM, layer_windows
 from qkv_jax.report.circuits import PromptReader, circuit_data, patching_data, run_prompts
 from qkv_jax.report.explorer import write_run_page
 from qkv_jax.training.checkpoints import Checkpoints, NoCheckpointError, read_params
-from qkv_jax.training.compiled import compile_for_platform
+from qkv_jax.training.compiled import run_compiled
 from qkv_jax.training.loop import seed_keys
 from qkv_jax.training.setup import AttentionView, Setup, build_setup
 from qkv_jax.training.validate import ConfigError
@@ -98,8 +98,7 @@ def report_run(
     keys = seed_keys(config["seed"])
     # Compiled as the trainer compiles its evaluation (on CPU at XLA's level 1: see
     # qkv_jax.training.compiled), so the report's metrics are the trainer's.
-    evaluate = compile_for_platform(jax.jit(setup.evaluate), params, keys["eval"], setup.data)
-    metrics, examples = jax.device_get(evaluate(params, keys["eval"], setup.data))
+    metrics, examples = jax.device_get(run_compiled(setup.evaluate, params, keys["eval"], setup.data))
     if setup.save_examples is not None:
         setup.save_examples(workdir, "after", examples)
     records = read_metrics(workdir / "metrics.jsonl")

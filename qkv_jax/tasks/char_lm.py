@@ -210,8 +210,8 @@ class CharLM:
         inputs, targets = batch["inputs"][:size], batch["targets"][:size]  # (size, T) each
         layers, heads = self.model.config.num_layers, self.model.config.num_heads
 
-        batch = {"inputs": inputs, "targets": targets}
-        bits_per_char = lambda head_mask: _mean_loss(self.honest, params, batch, head_mask) / NATS_PER_BIT
+        shown = {"inputs": inputs, "targets": targets}
+        bits_per_char = lambda head_mask: _mean_loss(self.honest, params, shown, head_mask) / NATS_PER_BIT
         ablated = lax.map(bits_per_char, head_ablation_masks(layers, heads))  # (L * N,)
         return ablated.reshape(layers, heads) - bits_per_char(jnp.ones((layers, heads)))
 

@@ -38,7 +38,7 @@ from qkv_jax.training.memory import check_fits
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.sharding import state_shardings
 
-__all__ = ["CPU_COMPILER_OPTIONS", "compile_for_platform", "CompiledPrograms"]
+__all__ = ["CPU_COMPILER_OPTIONS", "compile_for_platform", "run_compiled", "CompiledPrograms"]
 
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
@@ -50,6 +50,13 @@ def compile_for_platform(jitted: Any, *args: Any) -> Any:
     if jax.default_backend() == "cpu":
         return lowered.compile(compiler_options=dict(CPU_COMPILER_OPTIONS))
     return lowered.compile()
+
+
+def run_compiled(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, jitted and compiled by `compile_for_platform` (a one-off call outside the
+    trainer that should compute what the trainer's compiled programs compute, e.g. a report's
+    evaluation)."""
+    return compile_for_platform(jax.jit(fn), *args)(*args)
 
 
 class CompiledPrograms:
