@@ -201,6 +201,10 @@ def test_the_parameter_tree_has_the_options_names(name):
     assert jax.tree.structure(nnx_params) == jax.tree.structure(params)
 
 
+# A prompt of 3, one token, then a chunk of 3 that crosses the window of 4: each shape compiles once.
+CHUNKS = ((0, 3), (3, 4), (4, 7))
+
+
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma2"])
 def test_cached_decoding_equals_the_full_pass_linen_and_nnx(name):
     """RoPE (scaled on the global layers, another base on the local ones) and windows on top."""
@@ -218,7 +222,7 @@ def test_cached_decoding_equals_the_full_pass_linen_and_nnx(name):
     variables = {"params": params, "cache": lm.init_cache(model, B)}
     steps = []
     decode = jax.jit(functools.partial(model.apply, decode=True, mutable=["cache"]))
-    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7)):
+    for start, stop in CHUNKS:
         logits, state = decode(variables, TOKENS[:, start:stop])
         variables = {"params": params, "cache": state["cache"]}
         steps.append(logits)
@@ -226,7 +230,7 @@ def test_cached_decoding_equals_the_full_pass_linen_and_nnx(name):
     twin = qnnx.linen_to_nnx({"params": params}, qnnx.TransformerLM(config, rngs=nnx.Rngs(0)))
     twin.init_cache(B)
     nnx_decode = nnx.jit(lambda model, tokens: model(tokens, decode=True))
-    nnx_steps = [nnx_decode(twin, TOKENS[:, start:stop]) for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7))]
+    nnx_steps = [nnx_decode(twin, TOKENS[:, start:stop]) for start, stop in CHUNKS]
     np.testing.assert_allclose(jnp.concatenate(nnx_steps, axis=1), full, atol=1e-5, rtol=1e-5)
     greedy = lm.generate(model, params, TOKENS[:, :3], 4, rng=jax.random.PRNGKey(0), temperature=0.0)
     np.testing.assert_array_equal(
