@@ -174,6 +174,12 @@ def write_explorer_page(
     patching heat map of the newest for `patching` = (clean, corrupted) prompts; returns the
     page's data."""
     frames, saved = checkpoint_frames(workdir / "checkpoints", params_of)
+    if frames:
+        # Placed as the restored checkpoints are (on the run's mesh), so that the inspection
+        # compiled for them serves the untrained frame too: jit keys on the inputs' placement,
+        # and a single-device tree compiled it once more for each input shape.
+        place = lambda leaf, restored: jax.device_put(leaf, restored.sharding)
+        untrained = jax.tree.map(place, untrained, frames[-1][1])
     frames = [(0, untrained)] + [f for f in frames if f[0] != 0]
     notes = [f"the untrained parameters and {len(frames) - 1} of the {saved} checkpoints kept"]
     keep = config["train"]["keep_checkpoints"]
