@@ -282,12 +282,11 @@ def test_patching_heat_map_from_the_command_line_is_each_heads_patched_run(lm_ru
     model = build_setup(config).model
     params = read_params(workdir).tree
     tokenizer = CharTokenizer.load(workdir / "tokenizer.json")
+    apply = jax.jit(model.apply)  # the texts below share one length: one compile
     # A corruption of the last character that changes the most likely next token (the heat map
     # needs one; which one does depends on this tiny model's training).
     clean = "def add_7(x):\n    return x + 7"
-    predict = lambda text: int(
-        np.argmax(model.apply({"params": params}, tokenizer.encode(text)[None])[0, -1])
-    )
+    predict = lambda text: int(np.argmax(apply({"params": params}, tokenizer.encode(text)[None])[0, -1]))
     corrupted = next(clean[:-1] + c for c in " (:x\n=+r" if predict(clean[:-1] + c) != predict(clean))
     result = report_command(workdir, f"--clean={clean}", f"--corrupted={corrupted}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -301,7 +300,7 @@ def test_patching_heat_map_from_the_command_line_is_each_heads_patched_run(lm_ru
     answer, contrast = (tokenizer.chars.index(patching[key]) for key in ("answer", "contrast"))
     difference = lambda logits: float(logits[0, -1, answer] - logits[0, -1, contrast])
     variables = {"params": params}
-    high, low = (difference(model.apply(variables, t)) for t in tokens)
+    high, low = (difference(apply(variables, t)) for t in tokens)
     np.testing.assert_allclose(
         [patching["clean_difference"], patching["corrupted_difference"]], [high, low], rtol=1e-5
     )
