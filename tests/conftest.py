@@ -1,5 +1,6 @@
 """Shared fixtures. Test data lives in tests/data (a user's clone has no ../shared)."""
 
+import gc
 import json
 import os
 import pathlib
@@ -88,6 +89,19 @@ def pytest_make_parametrize_id(config, val, argname):
     if isinstance(val, str) and len(val) > 100:
         return val[:100].encode("unicode_escape").decode("ascii")
     return None
+
+
+def pytest_collection_finish(session):
+    """Python's garbage collector, after collection, leaves the objects alive then (the imported
+    modules: jax, flax, the tests) out of its scans, collects the young objects every 10,000
+    allocations instead of 700, and scans everything a tenth as often: tracing allocates many
+    short-lived objects, and each full scan walked the whole heap.
+    On the fast tier of tests/lm and tests/modules (2 workers) the collector's time per worker
+    fell from 6.1-6.7 s to 3.0 s, and back-to-back runs took 57.8 s against 62.0 s and 50.8 s
+    against 53.2 s, at the same peak memory (1.9 GB). Garbage is still collected, less often; only
+    what was alive when collection finished is never scanned again."""
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 100)
 
 
 def pytest_configure(config):

@@ -3,10 +3,13 @@
 The models are tiny (2 layers, d_model 32, 4 heads, T 8), one with 4 K/V heads
 (MHA) and one with 2 (GQA); each is converted once (`to_transformer_lens`)
 and run once through TransformerLens's `run_with_cache`, which takes most
-of this module's time (importing transformer_lens takes several seconds).
+of this module's time. torch and transformer_lens (several seconds to import) are imported
+by the tests that use them, not at collection: an xdist worker that runs none of them does not
+pay for them.
 """
 
 import dataclasses
+import importlib.util
 import re
 
 import numpy as np
@@ -17,8 +20,9 @@ from qkv_jax.interpretability import attribution, cache, circuits
 from qkv_jax.interpretability import tl as qkv_tl
 from qkv_jax.lm import TransformerLM
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformer_lens")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_lens") is None, reason="transformer_lens is not installed"
+)
 
 
 def _numpy(tree):
@@ -42,6 +46,8 @@ def converted(request):
     config = CONFIGS[request.param]
     params = model_params(config)
     tokens = tokens_for()
+    import torch
+
     bridge = qkv_tl.to_transformer_lens(config, params)
     folded = qkv_tl.to_transformer_lens(config, params)
     folded.process_weights(
@@ -58,6 +64,8 @@ def test_conversion_gives_the_models_logits_and_patterns(name):
     config = CONFIGS[name]
     params = model_params(config)
     tokens = tokens_for()
+    import torch
+
     bridge = qkv_tl.to_transformer_lens(config, {"params": params})
     assert bridge.cfg.n_key_value_heads == config.num_kv_heads and bridge.cfg.eps == 1e-6
     with torch.no_grad():
@@ -118,6 +126,8 @@ def test_direct_logit_attribution_matches_transformer_lens(converted):
     ours, labels = attribution.direct_logit_attribution(
         converted.acts, converted.params, answer[:, None], contrast[:, None]
     )
+    import torch
+
     folded_cache = converted.folded_cache
     kwargs = dict(tokens=torch.from_numpy(answer), incorrect_tokens=torch.from_numpy(contrast))
     heads = (

@@ -1,6 +1,7 @@
 """RoPE scaling (`qkv_jax.positions.RopeScaling`): the inverse frequencies and attention factors
 of "linear", "llama3" and "yarn" against transformers' own `ROPE_INIT_FUNCTIONS`, the rotation
-against its `apply_rotary_pos_emb`, and every refusal of a bad rule.
+against its `apply_rotary_pos_emb`, and every refusal of a bad rule. torch and transformers
+(seconds to import) are imported by the tests that use them, not at collection.
 """
 
 import math
@@ -8,10 +9,6 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama import modeling_llama
 
 from qkv_jax.positions import RopeScaling, apply_rope, rope_frequencies
 
@@ -69,6 +66,8 @@ RULES = {
 
 def hf_config(parameters, fraction=1.0):
     """A Llama config of head_dim HEAD_DIM whose RoPE is `parameters` (rope_theta BASE)."""
+    from transformers import LlamaConfig
+
     rope = {"rope_theta": BASE, **parameters}
     if fraction != 1.0:
         rope["partial_rotary_factor"] = fraction
@@ -84,6 +83,8 @@ def hf_config(parameters, fraction=1.0):
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_frequencies_equal_transformers(name, fraction):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     scaling, parameters = RULES[name]
     rotated = int(HEAD_DIM * fraction)
     theirs, their_factor = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](
@@ -118,6 +119,9 @@ def test_rotation_equals_transformers(name):
     apply_rotary_pos_emb do (yarn's attention factor included); None is the unscaled RoPE.
     transformers rounds each step of the frequencies to float32, qkv_jax only the result: at
     angles up to 40 rad the rotations differ by ~1e-5 of |x|."""
+    import torch
+    from transformers.models.llama import modeling_llama
+
     scaling, parameters = RULES[name] if name else (None, {"rope_type": "default"})
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 40, 3, HEAD_DIM)).astype(np.float32)  # (B, T, N, H)
