@@ -35,6 +35,12 @@ or uptrain it as grouped-query attention (its K/V heads mean-pooled into 2):
     --config.train.init_from=runs/char_lm --config.train.convert_kv_heads=True \
     --config.model.num_kv_heads=2 --config.train.steps=50
 
+Variant `tiny`: the same model at width 32 on 64-character windows, 40 steps, a small
+evaluation, compiled for compile speed (`train.cpu_optimization_level=0`): seconds a run on a
+CPU, for trying the commands (the guides use it); it learns little.
+
+  python -m experiments.train --config configs/char_lm.py:tiny --workdir runs/char_lm_tiny
+
 Variant `gpu`: the LM whose training step benchmarks/gpu.sh times (6 layers, d_model 768,
 12 heads, 1024-character windows, batch 16, bfloat16 compute with float32
 parameters), for an accelerator:
@@ -56,6 +62,7 @@ from configs import common
 # variant -> its sizes: the model, the training windows, steps and checkpoints, the samples' length.
 SIZES = {
     "default": dict(layers=2, width=128, heads=4, seq_len=256, steps=500, checkpoint_every=250, sample=200),
+    "tiny": dict(layers=2, width=32, heads=4, seq_len=64, steps=40, checkpoint_every=40, sample=40),
     "study": dict(layers=2, width=128, heads=8, seq_len=128, steps=300, checkpoint_every=300, sample=100),
     # The GPU-sized shape (an accelerator's: bf16 compute; minutes on a CPU per step).
     "gpu": dict(layers=6, width=768, heads=12, seq_len=1024, steps=2000, checkpoint_every=500, sample=200),
@@ -94,6 +101,8 @@ def get_config(arg=None):
         log_every=50,
         checkpoint_every=sizes["checkpoint_every"],
     )
+    if variant == "tiny":
+        config.train.cpu_optimization_level = 0  # its runs are mostly compilation
     config.mesh = common.mesh()
 
     config.eval = ml_collections.ConfigDict()
@@ -110,6 +119,8 @@ def get_config(arg=None):
     # Head ablation (eval_head_ablation [layers, heads]): validation windows (at most eval.num_examples),
     # one forward pass per head; 0 = off.
     config.eval.ablation_examples = 32
+    if variant == "tiny":
+        config.eval.update(num_examples=64, ablation_examples=16)
     return config
 
 

@@ -252,6 +252,8 @@ def config_sweep(module: ModuleType, variant: str | None) -> Any:
     """The config file's `get_sweep(variant)`; a ConfigError when it refuses the variant."""
     from qkv_jax.training import ConfigError
 
+    if not hasattr(module, "get_sweep"):
+        raise ConfigError("--config: the config file has no get_sweep() giving the cells to train")
     try:
         return module.get_sweep(variant)
     except ValueError as error:

@@ -118,7 +118,7 @@ def main(argv):
         options = {
             "seeds": list(range(FLAGS.seeds)),
             "pretrained": FLAGS.pretrained and pathlib.Path(FLAGS.pretrained),
-            "cells": common.config_sweep(module, variant) if hasattr(module, "get_sweep") else None,
+            "cells": common.config_sweep(module, variant) if study.uses_cells else None,
         }
         make_workdir(workdir)
         results = study.run(to_dict(FLAGS.config), workdir, options)

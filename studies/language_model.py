@@ -257,5 +257,6 @@ STUDIES = {
         lambda base, workdir, options: kv_heads(base, workdir, options["cells"], options["seeds"]),
         _kv_heads_table,
         _kv_heads_plot,
+        uses_cells=True,
     ),
 }

@@ -45,13 +45,16 @@ class Study:
     `run(base, workdir, options) -> results` trains and measures (`base`, a config
     as a plain dict; `options`, the launcher's: seeds, pretrained, cells) and
     returns plain data with a "study" key; `table(results)` gives markdown lines
-    and `plot(results, axes)` draws on two matplotlib axes.
+    and `plot(results, axes)` draws on two matplotlib axes. With `uses_cells`, the
+    study trains the cells of the config file's `get_sweep` (`options["cells"]`);
+    the others get None there and run on any variant of the config file.
     """
 
     title: str
     run: Callable[[dict, pathlib.Path, dict], dict]
     table: Callable[[dict], list[str]]
     plot: Callable[[dict, Any], None]
+    uses_cells: bool = False
 
 
 def write_study_results(workdir: pathlib.Path, results: dict, command: str, study: Study) -> dict:
@@ -231,7 +234,7 @@ def _cell_page(directory: pathlib.Path, sweep: dict, cell: dict, prompt: str | N
     keys = seed_keys(config["seed"])
     # Compiled as the trainer compiles its evaluation (qkv_jax.training.compiled).
     params = first_seed(saved.tree)
-    metrics, _ = jax.device_get(run_compiled(setup.evaluate, params, keys["eval"], setup.data))
+    metrics, _ = jax.device_get(run_compiled(setup.evaluate, params, keys["eval"], setup.data, config=config))
     untrained = jax.jit(setup.init)(keys["init"])
     write_explorer_page(directory, config, setup, untrained, first_seed, metrics, prompt)
     return True

@@ -614,6 +614,7 @@ STUDIES = {
         lambda base, workdir, options: logit_scale(base, workdir, options["cells"], options["seeds"]),
         _logit_scale_table,
         _logit_scale_plot,
+        uses_cells=True,
     ),
     "logit_scale_lm": Study(
         "Keeping a char LM's attention logits in range: 1/sqrt(d_k), QK-norm, a soft cap",

@@ -5,14 +5,25 @@ import json
 import os
 import pathlib
 
-# XLA:CPU's backend (LLVM) at its lowest optimization level, here and in every launcher the
-# tests start (they inherit the environment). The suite's programs are tiny and most are run
-# a few times, so compiling them is most of its time: on the fast tier of tests/lm/test_lm.py
-# and tests/modules/test_modules.py this cut the CPU time from 59.6 s to 32.1 s. What the
-# tests check does not depend on it (each compares programs compiled the same way, or a
-# float64 reference within float32 tolerances); users' programs keep XLA's default.
+# XLA:CPU's backend (LLVM) at its lowest optimization level and its fusion emitters off, here
+# and in every launcher the tests start (they inherit the environment; a run's own
+# train.cpu_optimization_level still decides its compiled training programs). The suite's
+# programs are tiny and most are run a few times, so compiling them is most of its time: on the
+# fast tier of tests/lm/test_lm.py and tests/modules/test_modules.py level 0 cut the CPU time
+# from 59.6 s to 32.1 s; the fusion emitters off then cut tests/attention/test_attention_variants.py,
+# tests/peers/test_jax_nn_attention.py and tests/interpretability/test_activation_cache.py from
+# 96.5 s to 54.8 s (2 workers). What the tests check does not depend on it (each compares
+# programs compiled the same way, or a float64 reference within float32 tolerances); users'
+# programs keep XLA's default.
 os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
+    filter(
+        None,
+        [
+            os.environ.get("XLA_FLAGS"),
+            "--xla_backend_optimization_level=0",
+            "--xla_cpu_use_fusion_emitters=false",
+        ],
+    )
 )
 
 import jax  # noqa: E402 - after XLA_FLAGS, which the backend reads when it starts

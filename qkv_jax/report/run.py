@@ -96,9 +96,12 @@ def report_run(
     config, setup, params, step = load_run(workdir)
     check_workdir_path(workdir)  # the report is written beside the run: a colleague's may be read-only
     keys = seed_keys(config["seed"])
-    # Compiled as the trainer compiles its evaluation (on CPU at XLA's level 1: see
-    # qkv_jax.training.compiled), so the report's metrics are the trainer's.
-    metrics, examples = jax.device_get(run_compiled(setup.evaluate, params, keys["eval"], setup.data))
+    # Compiled as the trainer compiled the run's evaluation (on CPU at its
+    # train.cpu_optimization_level: see qkv_jax.training.compiled), so the report's metrics are the
+    # trainer's.
+    metrics, examples = jax.device_get(
+        run_compiled(setup.evaluate, params, keys["eval"], setup.data, config=config)
+    )
     if setup.save_examples is not None:
         setup.save_examples(workdir, "after", examples)
     records = read_metrics(workdir / "metrics.jsonl")

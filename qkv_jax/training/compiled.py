@@ -11,6 +11,11 @@ This is the run's only speed machinery, kept out of the training loop:
   * On CPU, XLA's backend optimization level 1 instead of the default 2: for
     the small models here it compiles about a third faster and the compiled
     loops run as fast or faster (benchmarks/flag_retrieval.py measures both).
+    `train.cpu_optimization_level=0` goes further for runs that are mostly
+    compilation (a tiny model, a few steps): level 0 with XLA's fusion
+    emitters off compiles a tiny char LM's programs about 2x faster, but its
+    steps run about 4x slower and the default char LM's 2.5x slower
+    (benchmarks/compile_levels.py measures both).
 
 A run of several seeds compiles the same functions under `jax.vmap` over a
 leading seed axis (init and evaluation keys, the parameters and optimizer
@@ -38,25 +43,36 @@ from qkv_jax.training.memory import check_fits
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.sharding import state_shardings
 
-__all__ = ["CPU_COMPILER_OPTIONS", "compile_for_platform", "run_compiled", "CompiledPrograms"]
+__all__ = ["CPU_COMPILER_OPTIONS", "compile_for_platform", "run_level", "run_compiled", "CompiledPrograms"]
 
-CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+# train.cpu_optimization_level -> XLA:CPU's compiler options (see the module docstring).
+CPU_COMPILER_OPTIONS: dict[int, dict[str, Any]] = {
+    0: {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+    1: {"xla_backend_optimization_level": 1},
+    2: {},
+}
 
 
-def compile_for_platform(jitted: Any, *args: Any) -> Any:
-    """AOT-compiles `jitted` for `args` (arrays or ShapeDtypeStructs), at XLA's
-    optimization level 1 on CPU (see the module docstring)."""
+def compile_for_platform(jitted: Any, *args: Any, cpu_optimization_level: int = 1) -> Any:
+    """AOT-compiles `jitted` for `args` (arrays or ShapeDtypeStructs); on CPU with the
+    compiler options of `cpu_optimization_level` (see the module docstring)."""
     lowered = jitted.lower(*args)
     if jax.default_backend() == "cpu":
-        return lowered.compile(compiler_options=dict(CPU_COMPILER_OPTIONS))
+        return lowered.compile(compiler_options=dict(CPU_COMPILER_OPTIONS[cpu_optimization_level]))
     return lowered.compile()
 
 
-def run_compiled(fn: Callable, *args: Any) -> Any:
-    """`fn(*args)`, jitted and compiled by `compile_for_platform` (a one-off call outside the
-    trainer that should compute what the trainer's compiled programs compute, e.g. a report's
-    evaluation)."""
-    return compile_for_platform(jax.jit(fn), *args)(*args)
+def run_level(config: dict) -> int:
+    """The run's `train.cpu_optimization_level`; 1 for a run saved before the field existed
+    (what every run was compiled at then)."""
+    return config["train"].get("cpu_optimization_level", 1)
+
+
+def run_compiled(fn: Callable, *args: Any, config: dict) -> Any:
+    """`fn(*args)`, jitted and compiled by `compile_for_platform` as the run of `config` compiles
+    its programs (a one-off call outside the trainer that should compute what the trainer's
+    compiled programs compute, e.g. a report's evaluation)."""
+    return compile_for_platform(jax.jit(fn), *args, cpu_optimization_level=run_level(config))(*args)
 
 
 class CompiledPrograms:
@@ -82,6 +98,7 @@ class CompiledPrograms:
         self._setup, self._keys, self._config, self._pool = setup, keys, config, pool
         self._vmapped = vmapped
         self._use_checkify = config["train"]["checkify"]
+        self._cpu_level = run_level(config)
         self._checked: set = set()
         init = lambda key: init_train_state(setup, tx, key)
         self._init = jax.vmap(init) if vmapped else init
@@ -103,7 +120,8 @@ class CompiledPrograms:
 
             def timed():
                 started = time.perf_counter()
-                return compile_for_platform(make_jitted(), *args), time.perf_counter() - started
+                compiled = compile_for_platform(make_jitted(), *args, cpu_optimization_level=self._cpu_level)
+                return compiled, time.perf_counter() - started
 
             self._futures[name] = self._pool.submit(timed)
         return self._futures[name]

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "CPU_OPTIMIZATION_LEVELS",
     "OPTIMIZERS",
     "SCHEDULES",
     "validate_shared_sections",
@@ -130,6 +131,8 @@ def _is_directory(path: str) -> bool:
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+# train.cpu_optimization_level's values (qkv_jax.training.compiled.CPU_COMPILER_OPTIONS).
+CPU_OPTIMIZATION_LEVELS = (0, 1, 2)
 SCHEDULES = ("constant", "cosine")
 
 
@@ -144,6 +147,9 @@ def validate_shared_sections(config: Any) -> None:
     require_choice(config, "train.schedule", SCHEDULES)
     require_bool(config, "train.overwrite", "train.checkify", "train.convert_kv_heads")
     require_nonnegative_int(config, "train.warmup_steps", "train.keep_checkpoints")
+    level = get_field(config, "train.cpu_optimization_level")
+    if not _is_int(level) or level not in CPU_OPTIMIZATION_LEVELS:
+        raise ConfigError(f"train.cpu_optimization_level={level!r}: must be 0, 1 or 2")
     require_at_most(config, INT32_MAX, "the seed is an int32 inside the compiled program", "seed")
     require_at_most(
         config,

@@ -68,6 +68,7 @@ RESUMABLE_FIELDS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.overwrite",
+    "train.cpu_optimization_level",  # how XLA:CPU compiles the same programs
     "eval.",
     "mesh.",  # a run may resume on another device layout
 )

@@ -48,6 +48,7 @@ def browser():
 def flag_config(**train):
     config = flag_retrieval.get_config()
     config.train.update(dict(steps=40, batch_size=16, log_every=10, checkpoint_every=10, keep_checkpoints=0))
+    config.train.cpu_optimization_level = 0  # a tiny run: compile time is most of it
     config.train.update(train)
     config.eval.num_examples = 64
     config.eval.num_plot_examples = 2
@@ -70,7 +71,7 @@ def lm_run(tmp_path_factory):
     config.model.update(num_layers=2, d_model=32, num_heads=2, max_len=48)
     config.task.seq_len = 32
     config.train.update(steps=40, batch_size=8, warmup_steps=5, log_every=10, checkpoint_every=20)
-    config.train.keep_checkpoints = 0
+    config.train.update(keep_checkpoints=0, cpu_optimization_level=0)
     config.eval.update(num_examples=16, sample_length=8)
     workdir = tmp_path_factory.mktemp("char_lm")
     train_and_evaluate(config, workdir)

@@ -21,6 +21,7 @@ SMALL = [
     "--config.train.log_every=2",
     "--config.train.checkpoint_every=2",
     "--config.eval.num_examples=16",
+    "--config.train.cpu_optimization_level=0",  # 4 steps: compile time is most of the run
 ]
 
 
@@ -137,6 +138,12 @@ BAD_COMMANDS = [
         ["--config.train.optimizer=lion"],
         ["train.optimizer='lion'"],
         "unknown optimizer",
+    ),
+    command_case(
+        "unknown cpu optimization level",
+        ["--config.train.cpu_optimization_level=3"],
+        ["train.cpu_optimization_level=3: must be 0, 1 or 2"],
+        "CPU optimization level other than 0, 1 or 2",
     ),
     command_case(
         "missing config file",

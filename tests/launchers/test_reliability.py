@@ -40,6 +40,7 @@ def small_config(**train):
     config.train.batch_size = 8
     config.train.log_every = 5
     config.train.checkpoint_every = 5
+    config.train.cpu_optimization_level = 0  # 20 steps of a tiny model: compile time is most of it
     config.eval.num_examples = 32
     config.eval.num_plot_examples = 2
     for name, value in train.items():

@@ -29,6 +29,7 @@ def tiny_config(variant="multihead"):
     config.train.batch_size = 8
     config.train.log_every = 4
     config.train.checkpoint_every = 12
+    config.train.cpu_optimization_level = 0  # a tiny model: compile time is most of each run
     config.eval.num_examples = 32
     return config
 
@@ -118,6 +119,7 @@ def test_sweep_command_line(tmp_path):
         "--seeds",
         "2",
         "--config.train.steps=8",
+        "--config.train.cpu_optimization_level=0",
         "--config.train.log_every=4",
         "--config.eval.num_examples=16",
         cache_flag(),
@@ -163,6 +165,7 @@ def test_two_shards_at_once_then_a_rerun(tmp_path):
         "--seeds",
         "2",
         "--config.train.steps=40",
+        "--config.train.cpu_optimization_level=0",
         "--config.train.log_every=10",
         "--config.eval.num_examples=16",
         cache_flag(),
@@ -298,6 +301,7 @@ def test_sweep_command_line_with_a_failing_cell(tmp_path, outside_task):
         "--config.model.d_k=6",
         "--config.task.module=outside_task",
         "--config.train.steps=8",
+        "--config.train.cpu_optimization_level=0",
         cache_flag(),
     ]
     env = launcher_env()

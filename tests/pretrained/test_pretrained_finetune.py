@@ -43,6 +43,7 @@ SMALL = [
     "--config.train.warmup_steps=0",
     "--config.train.learning_rate=0.01",
     "--config.eval.num_examples=4",
+    "--config.train.cpu_optimization_level=0",  # a tiny model: compile time is most of each run
 ]
 PROBE = np.arange(2, 42, dtype=np.int64).reshape(2, 20) % 90 + 3  # token ids of both vocabularies
 

@@ -238,7 +238,7 @@ def render(study, results, tmp_path):
 @pytest.mark.slow
 def test_flag_reader_study_aligns_the_reader(tmp_path):
     config = flag_retrieval.get_config()
-    config.train.update(steps=200, log_every=20, checkpoint_every=200)
+    config.train.update(cpu_optimization_level=0, steps=200, log_every=20, checkpoint_every=200)
     config.eval.num_examples = 256
     results = flag_reader(to_dict(config), tmp_path, [0, 1])
     assert results["steps"] == list(range(0, 201, 20))
@@ -252,7 +252,7 @@ def test_induction_composition_study_runs(tmp_path):
     config = sequences.get_config("repeat")
     config.model.update(d_model=16, num_heads=2)
     config.task.update(length=4, vocab_size=8)
-    config.train.update(steps=12, log_every=4, checkpoint_every=12, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=12, log_every=4, checkpoint_every=12, batch_size=8)
     config.eval.num_examples = 16
     results = induction_composition(to_dict(config), tmp_path, [0, 1])
     assert results["steps"] == [0, 4, 8, 12] and len(results["rows"]) == 2
@@ -272,7 +272,7 @@ def test_kv_views_study_pairs_each_variant_with_mha(tmp_path):
     config.data.path = str(corpus)
     config.model.update(num_layers=1, d_model=16, num_heads=4, max_len=32)
     config.task.seq_len = 32
-    config.train.update(steps=10, log_every=5, checkpoint_every=10, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=10, log_every=5, checkpoint_every=10, batch_size=8)
     config.eval.update(num_examples=8, sample_length=8, ablation_examples=0)
     cells = [{"model.num_kv_heads": 4}, {"model.num_kv_heads": 1}]
     results = kv_views(to_dict(config), tmp_path, cells, [0, 1])

@@ -33,7 +33,7 @@ def test_sinks_study_pairs_each_arm_with_plain_softmax(tmp_path):
     config.data.path = str(corpus)
     config.model.update(num_layers=1, d_model=16, num_heads=2, max_len=32)
     config.task.seq_len = 32
-    config.train.update(steps=10, log_every=5, checkpoint_every=10, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=10, log_every=5, checkpoint_every=10, batch_size=8)
     config.eval.update(num_examples=8, sample_length=8, ablation_examples=0)
     results = sinks(to_dict(config), tmp_path, [0, 1])
     assert [r["arm"] for r in results["rows"]] == ["softmax", "sinks", "soft cap 5", "sinks + soft cap 5"]

@@ -83,7 +83,7 @@ def test_probes_follow_vmapped_training_and_resume(tmp_path):
     config = sequences.get_config("repeat")
     config.model.update(num_layers=2, d_model=16, num_heads=2)
     config.task.update(length=4, vocab_size=8)
-    config.train.update(steps=12, log_every=4, checkpoint_every=8, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=12, log_every=4, checkpoint_every=8, batch_size=8)
     config.eval.num_examples = 16
     setup = build_setup(config)
     probe = induction_probe(setup)

@@ -112,7 +112,7 @@ def test_qk_norm_without_the_scale_starts_peaked_at_large_d_k():
 @pytest.mark.slow
 def test_logit_scale_study_end_to_end(tmp_path):
     config = flag_retrieval.get_config("logit_scale")
-    config.train.update(steps=20, log_every=10, checkpoint_every=100)
+    config.train.update(cpu_optimization_level=0, steps=20, log_every=10, checkpoint_every=100)
     config.eval.num_examples = 128
     cells = [c for c in flag_retrieval.get_sweep("logit_scale") if c["model.d_k"] == 16][:3]
     results = logit_scale(to_dict(config), tmp_path, cells, [0, 1])
@@ -138,7 +138,7 @@ def tiny_repeat(max_len: int = 32) -> dict:
     config = sequences.get_config("repeat")
     config.model.update(num_layers=2, d_model=16, num_heads=2, max_len=max_len)
     config.task.update(length=4, vocab_size=8)
-    config.train.update(steps=8, log_every=4, checkpoint_every=8, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=8, log_every=4, checkpoint_every=8, batch_size=8)
     config.eval.num_examples = 16
     return to_dict(config)
 
@@ -183,7 +183,7 @@ def tiny_char_lm(tmp_path) -> dict:
     config.data.path = str(corpus)
     config.model.update(num_layers=1, d_model=16, max_len=32)
     config.task.seq_len = 32
-    config.train.update(steps=10, log_every=5, checkpoint_every=10, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=10, log_every=5, checkpoint_every=10, batch_size=8)
     config.eval.update(num_examples=8, sample_length=8, ablation_examples=0)
     return to_dict(config)
 

@@ -34,7 +34,7 @@ def test_windows_study_pairs_each_arm_with_all_global(tmp_path, monkeypatch):
     config.data.path = str(corpus)
     config.model.update(num_layers=2, d_model=16, num_heads=2, max_len=32)
     config.task.seq_len = 32
-    config.train.update(steps=10, log_every=5, checkpoint_every=10, batch_size=8)
+    config.train.update(cpu_optimization_level=0, steps=10, log_every=5, checkpoint_every=10, batch_size=8)
     config.eval.update(num_examples=8, sample_length=8, ablation_examples=0)
     results = windows(to_dict(config), tmp_path, [0, 1])
     arms = [r["arm"] for r in results["rows"]]

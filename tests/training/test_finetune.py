@@ -381,6 +381,7 @@ def test_acceptance_command_line(source_run, tmp_path):
         "--config.eval.num_examples=16",
         "--config.eval.sample_length=8",
         "--config.eval.ablation_examples=4",
+        "--config.train.cpu_optimization_level=0",
     ]
 
     def train(workdir, *extra):

@@ -34,6 +34,7 @@ def small_config(variant, **overrides):
     config.train.log_every = 1
     config.train.checkpoint_every = 2
     config.train.warmup_steps = 1
+    config.train.cpu_optimization_level = 0  # a tiny model: compile time is most of each run
     config.eval.num_examples = 16
     for field, value in overrides.items():
         section, name = field.split("__")

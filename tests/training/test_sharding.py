@@ -34,6 +34,7 @@ OVERRIDES = {
     "train.checkpoint_every": 10,
     "eval.num_examples": 64,
     "eval.num_plot_examples": 2,
+    "train.cpu_optimization_level": 0,  # tiny programs: compile time is most of each run
 }
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4)]
 
@@ -130,6 +131,7 @@ LM_OVERRIDES = {
     "eval.num_examples": 16,
     "eval.sample_length": 8,
     "eval.num_samples": 1,
+    "train.cpu_optimization_level": 0,
 }
 
 

@@ -26,7 +26,8 @@ from studies.results import write_sweep_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The small run every test here starts from, as command-line overrides and as a config.
-SMALL = {"steps": 20, "batch_size": 8, "log_every": 5, "checkpoint_every": 10}
+# (cpu_optimization_level 0: 20 steps of a tiny model, whose compile time is most of the run.)
+SMALL = {"steps": 20, "batch_size": 8, "log_every": 5, "checkpoint_every": 10, "cpu_optimization_level": 0}
 ARGS = [f"--config.train.{name}={value}" for name, value in SMALL.items()]
 ARGS += ["--config.eval.num_examples=32", "--config.eval.num_plot_examples=2"]
 
@@ -378,7 +379,7 @@ def test_reading_runs_while_they_train(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def forward(self, x):\n    return self.scale * x + self.bias\n" * 300)
     flag, lm = tmp_path / "flag", tmp_path / "lm"
-    kept = ["--config.train.keep_checkpoints=2", cache_flag()]
+    kept = ["--config.train.keep_checkpoints=2", "--config.train.cpu_optimization_level=0", cache_flag()]
     flag_run = [
         "--config",
         "configs/flag_retrieval.py",
@@ -451,6 +452,18 @@ def test_a_run_saved_before_an_optional_field_existed_still_matches():
     assert differences({"model": {"d_k": 8, "attention_scale": None}}, saved) == [
         "model.attention_scale='<absent>' here but None in the workdir"
     ]
+
+
+def test_a_run_saved_before_the_cpu_optimization_level_existed_resumes_and_reports_at_level_1():
+    """Such a run's config.json has no train.cpu_optimization_level: it resumes (the field may
+    change between a run and its resumption), and a report compiles its evaluation as the run
+    was compiled then, at level 1."""
+    from qkv_jax.training.compiled import run_level
+    from qkv_jax.training.workdir import RESUMABLE_FIELDS
+
+    saved = {"train": {"steps": 20}}
+    assert differences(saved, {"train": {"steps": 20, "cpu_optimization_level": 0}}, RESUMABLE_FIELDS) == []
+    assert run_level(saved) == 1 and run_level({"train": {"cpu_optimization_level": 0}}) == 0
 
 
 def test_a_run_saved_before_a_field_was_renamed_still_matches():

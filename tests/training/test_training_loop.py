@@ -12,6 +12,7 @@ from configs import flag_retrieval
 from qkv_jax.tasks.flag_retrieval import flag_retrieval_batch
 from qkv_jax.training import (
     Checkpoints,
+    ConfigError,
     build_setup,
     init_train_state,
     make_optimizer,
@@ -27,6 +28,7 @@ def small_config(variant=None, **overrides):
     config.train.batch_size = 8
     config.train.log_every = 5
     config.train.checkpoint_every = 10
+    config.train.cpu_optimization_level = 0  # a tiny model: compile time is most of each run
     config.eval.num_examples = 64
     config.eval.num_plot_examples = 3
     for field, value in overrides.items():
@@ -86,6 +88,23 @@ def test_resume_gives_identical_parameters(tmp_path, small_run):
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
     metrics = [(tmp / "metrics.jsonl").read_text() for tmp in (straight, resumed)]
     assert metrics[0] == metrics[1]
+
+
+def test_cpu_optimization_levels_compile_the_same_run(tmp_path, small_run):
+    """train.cpu_optimization_level changes how XLA compiles the run, not what it computes: the run
+    of level 0 (small_config's), stopped at step 10 and resumed at the default level 1, ends as the
+    uninterrupted one to float32 rounding; a level outside 0-2 is refused before any work."""
+    straight, summary = small_run
+    resumed = tmp_path / "resumed"
+    train_and_evaluate(small_config(train__steps=10), resumed)
+    second = train_and_evaluate(small_config(train__cpu_optimization_level=1), resumed)
+    assert second["resumed_from_step"] == 10
+    np.testing.assert_allclose(second["eval_mse"], summary["eval_mse"], rtol=1e-4)
+    (_, state_a), (_, state_b) = (final_state(w, small_config()) for w in (straight, resumed))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), state_a, state_b)
+    with pytest.raises(ConfigError, match=r"^train.cpu_optimization_level=True: must be 0, 1 or 2$"):
+        train_and_evaluate(small_config(train__cpu_optimization_level=True), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.reliability(
