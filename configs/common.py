@@ -76,9 +76,9 @@ def train(
     # Check every operation of the compiled step for nan and division by zero (slower).
     section.checkify = False
     # On CPU, how hard XLA optimizes the run's compiled programs: 1 (XLA's backend at level 1)
-    # suits most runs; 0 (level 0, fusion emitters off) compiles a tiny model's programs about 2x
-    # faster, for runs that are mostly compilation, but its steps run 2.5-4x slower; 2 is XLA's
-    # default (benchmarks/compile_levels.py).
+    # suits most runs; 0 (level 0, fusion emitters off where XLA has them) compiles a tiny
+    # model's programs about 2x faster, for runs that are mostly compilation, but its steps run
+    # 2.5-4x slower; 2 is XLA's default (benchmarks/compile_levels.py).
     section.cpu_optimization_level = 1
     # Start from another run's parameters: its workdir, checkpoints/ or one step directory (read
     # only; newest usable checkpoint; fresh optimizer, step 0). Ignored once this run has its own

@@ -4,6 +4,8 @@ import gc
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 # XLA:CPU's backend (LLVM) at its lowest optimization level and its fusion emitters off, here
 # and in every launcher the tests start (they inherit the environment; a run's own
@@ -14,17 +16,22 @@ import pathlib
 # tests/peers/test_jax_nn_attention.py and tests/interpretability/test_activation_cache.py from
 # 96.5 s to 54.8 s (2 workers). What the tests check does not depend on it (each compares
 # programs compiled the same way, or a float64 reference within float32 tolerances); users'
-# programs keep XLA's default.
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(
-        None,
-        [
-            os.environ.get("XLA_FLAGS"),
-            "--xla_backend_optimization_level=0",
-            "--xla_cpu_use_fusion_emitters=false",
-        ],
-    )
-)
+# programs keep XLA's default. jaxlib 0.12's XLA has no fusion emitters' flag, and an unknown
+# flag in XLA_FLAGS aborts the process: a child process tries it first (about a second), unless
+# XLA_FLAGS holds it already, as the xdist workers' do (they inherit this process's).
+FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+
+
+def _xla_takes(flag):
+    probe = "import jax; jax.numpy.zeros(1).block_until_ready()"
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=300)
+    return result.returncode == 0
+
+
+_flags = os.environ.get("XLA_FLAGS", "").split()
+_flags += [f for f in FAST_COMPILE_FLAGS if f not in _flags and (f == FAST_COMPILE_FLAGS[0] or _xla_takes(f))]
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import jax  # noqa: E402 - after XLA_FLAGS, which the backend reads when it starts
 import pytest  # noqa: E402

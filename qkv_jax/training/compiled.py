@@ -13,9 +13,10 @@ This is the run's only speed machinery, kept out of the training loop:
     loops run as fast or faster (benchmarks/flag_retrieval.py measures both).
     `train.cpu_optimization_level=0` goes further for runs that are mostly
     compilation (a tiny model, a few steps): level 0 with XLA's fusion
-    emitters off compiles a tiny char LM's programs about 2x faster, but its
-    steps run about 4x slower and the default char LM's 2.5x slower
-    (benchmarks/compile_levels.py measures both).
+    emitters off (where the XLA has them: jaxlib 0.12's has not) compiles a
+    tiny char LM's programs about 2x faster, but its steps run about 4x slower
+    and the default char LM's 2.5x slower (benchmarks/compile_levels.py
+    measures both).
 
 A run of several seeds compiles the same functions under `jax.vmap` over a
 leading seed axis (init and evaluation keys, the parameters and optimizer
@@ -29,6 +30,7 @@ operation and the window of steps.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,9 +45,17 @@ from qkv_jax.training.memory import check_fits
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.sharding import state_shardings
 
-__all__ = ["CPU_COMPILER_OPTIONS", "compile_for_platform", "run_level", "run_compiled", "CompiledPrograms"]
+__all__ = [
+    "CPU_COMPILER_OPTIONS",
+    "cpu_compiler_options",
+    "compile_for_platform",
+    "run_level",
+    "run_compiled",
+    "CompiledPrograms",
+]
 
-# train.cpu_optimization_level -> XLA:CPU's compiler options (see the module docstring).
+# train.cpu_optimization_level -> XLA:CPU's compiler options (see the module docstring); an
+# option this XLA does not have is left out (`cpu_compiler_options`).
 CPU_COMPILER_OPTIONS: dict[int, dict[str, Any]] = {
     0: {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
     1: {"xla_backend_optimization_level": 1},
@@ -53,12 +63,29 @@ CPU_COMPILER_OPTIONS: dict[int, dict[str, Any]] = {
 }
 
 
+@functools.cache
+def _has_compile_option(name: str, value: Any) -> bool:
+    """Whether this XLA takes compile option `name` (XLA drops options between releases: the one
+    of jaxlib 0.12 refuses `xla_cpu_use_fusion_emitters`, which jaxlib 0.10 has)."""
+    try:
+        jax.jit(lambda: 0).lower().compile(compiler_options={name: value})
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+def cpu_compiler_options(cpu_optimization_level: int) -> dict[str, Any]:
+    """CPU_COMPILER_OPTIONS[cpu_optimization_level], without the options this XLA lacks."""
+    options = CPU_COMPILER_OPTIONS[cpu_optimization_level]
+    return {name: value for name, value in options.items() if _has_compile_option(name, value)}
+
+
 def compile_for_platform(jitted: Any, *args: Any, cpu_optimization_level: int = 1) -> Any:
     """AOT-compiles `jitted` for `args` (arrays or ShapeDtypeStructs); on CPU with the
     compiler options of `cpu_optimization_level` (see the module docstring)."""
     lowered = jitted.lower(*args)
     if jax.default_backend() == "cpu":
-        return lowered.compile(compiler_options=dict(CPU_COMPILER_OPTIONS[cpu_optimization_level]))
+        return lowered.compile(compiler_options=cpu_compiler_options(cpu_optimization_level))
     return lowered.compile()
 
 
