@@ -19,7 +19,8 @@ import sys
 # programs keep XLA's default. jaxlib 0.12's XLA has no fusion emitters' flag, and an unknown
 # flag in XLA_FLAGS aborts the process: a child process tries it first (about a second), unless
 # XLA_FLAGS holds it already, as the xdist workers' do (they inherit this process's).
-FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+LEVEL_0 = "--xla_backend_optimization_level=0"
+FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _xla_takes(flag):
@@ -30,7 +31,10 @@ def _xla_takes(flag):
 
 
 _flags = os.environ.get("XLA_FLAGS", "").split()
-_flags += [f for f in FAST_COMPILE_FLAGS if f not in _flags and (f == FAST_COMPILE_FLAGS[0] or _xla_takes(f))]
+if LEVEL_0 not in _flags:
+    _flags.append(LEVEL_0)
+if FUSION_EMITTERS_OFF not in _flags and _xla_takes(FUSION_EMITTERS_OFF):
+    _flags.append(FUSION_EMITTERS_OFF)
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import jax  # noqa: E402 - after XLA_FLAGS, which the backend reads when it starts
