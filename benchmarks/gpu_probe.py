@@ -1,0 +1,254 @@
+"""What the GPU offers for attention options cuDNN lacks, measured before choosing a fused path.
+
+Side by side in one process, at B4 T4096 N16 H128 bf16 (forward, and forward plus backward):
+jax.nn's cuDNN and XLA paths, qkv_jax's own paths, tokamax's kernels where tokamax imports
+(its Mosaic GPU and Triton implementations), jax's bundled Pallas GPU attention, and torch's
+SDPA and compiled flex_attention, for plain causal, a causal left window, a two-sided window
+and a logit soft cap; float32 at H64. Each case is skipped with its reason when it fails, and
+no case starts after --budget-s.
+
+    python benchmarks/gpu_probe.py --out results.json   # on the GPU machine
+    python benchmarks/gpu_probe.py --dry-run            # tiny sizes on any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import qkv_jax  # noqa: E402
+
+OPTIONS = {
+    "causal": dict(is_causal=True),
+    "window_left_1024_causal": dict(is_causal=True, local_window_size=(1024, 0)),
+    "window_512_both": dict(local_window_size=(512, 512)),
+    "soft_cap_50_causal": dict(is_causal=True, logits_soft_cap=50.0),
+}
+
+
+def time_jax(fn, *args, repeats=3, inner=10):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times) * 1e3
+
+
+def forward_and_train(attend):
+    fwd = jax.jit(attend)
+
+    def loss(q, k, v, ct):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * ct)
+
+    train = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return fwd, train
+
+
+def jax_cases(shape, dtype):
+    """(name, option, attend) for every JAX path that may take `option`."""
+    cases = []
+    for option, kw in OPTIONS.items():
+        for impl in (None, "xla") if option != "causal" else (None, "xla", "chunked"):
+            cases.append(
+                (
+                    f"qkv_jax[{impl or 'default'}]",
+                    option,
+                    lambda q, k, v, kw=kw, impl=impl: qkv_jax.dot_product_attention(
+                        q, k, v, implementation=impl, **kw
+                    ),
+                )
+            )
+        if "logits_soft_cap" not in kw:
+            for impl in ("cudnn", "xla"):
+                cases.append(
+                    (
+                        f"jax.nn[{impl}]",
+                        option,
+                        lambda q, k, v, kw=kw, impl=impl: jax.nn.dot_product_attention(
+                            q, k, v, implementation=impl, **kw
+                        ),
+                    )
+                )
+        try:
+            import tokamax
+
+            for impl in ("mosaic", "triton"):
+                cases.append(
+                    (
+                        f"tokamax[{impl}]",
+                        option,
+                        lambda q, k, v, kw=kw, impl=impl: tokamax.dot_product_attention(
+                            q, k, v, implementation=impl, **kw
+                        ),
+                    )
+                )
+        except Exception as error:  # noqa: BLE001 - a probe reports what it could not import
+            print(f"tokamax unavailable: {type(error).__name__}: {error}")
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        cases.append(
+            (
+                "jax.pallas.ops.gpu.attention.mha",
+                "causal",
+                lambda q, k, v: pallas_attention.mha(q, k, v, segment_ids=None, causal=True),
+            )
+        )
+    except Exception as error:  # noqa: BLE001
+        print(f"jax pallas ops.gpu.attention unavailable: {type(error).__name__}: {error}")
+    return cases
+
+
+def torch_cases(shape, dtype_name):
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as error:  # noqa: BLE001
+        print(f"torch unavailable: {type(error).__name__}: {error}")
+        return []
+    B, T, N, H = shape
+    compiled = torch.compile(flex_attention)
+    masks = {
+        "causal": lambda b, h, q, k: q >= k,
+        "window_left_1024_causal": lambda b, h, q, k: (q >= k) & (q - k <= 1024),
+        "window_512_both": lambda b, h, q, k: (q - k <= 512) & (k - q <= 512),
+        "soft_cap_50_causal": lambda b, h, q, k: q >= k,
+    }
+
+    def soft_cap(score, b, h, q, k):
+        return 50.0 * torch.tanh(score / 50.0)
+
+    cases = []
+    for option, mask_mod in masks.items():
+        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+        score_mod = soft_cap if option.startswith("soft_cap") else None
+        cases.append(
+            (
+                "torch.flex_attention(compiled)",
+                option,
+                lambda q, k, v, bm=block_mask, sm=score_mod: compiled(q, k, v, score_mod=sm, block_mask=bm),
+            )
+        )
+    cases.append(
+        ("torch.sdpa", "causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    )
+    return cases
+
+
+def time_torch(attend, shape, dtype_name, train):
+    import torch
+
+    B, T, N, H = shape
+    dtype = getattr(torch, dtype_name)
+    q, k, v = (torch.randn(B, N, T, H, device="cuda", dtype=dtype, requires_grad=train) for _ in range(3))
+    ct = torch.randn(B, N, T, H, device="cuda", dtype=dtype)
+
+    def step():
+        out = attend(q, k, v)
+        if train:
+            torch.autograd.grad(out, (q, k, v), ct)
+        return out
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 10)
+    return statistics.median(times)
+
+
+def run(args):
+    results = []
+    started = time.perf_counter()
+    shapes = [("bfloat16", (4, 4096, 16, 128)), ("float32", (4, 4096, 16, 64))]
+    if args.dry_run:
+        shapes = [("bfloat16", (1, 128, 2, 32)), ("float32", (1, 128, 2, 16))]
+    for dtype_name, shape in shapes:
+        dtype = jnp.dtype(dtype_name)
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, ct = (jax.random.normal(key, shape, dtype) for key in keys)
+        ct = ct.astype(jnp.float32)
+        cases = jax_cases(shape, dtype)
+        if dtype_name == "float32":
+            cases = [c for c in cases if c[1] == "causal"]
+        for name, option, attend in cases:
+            if time.perf_counter() - started > args.budget_s:
+                print(f"budget spent: {name} {option} not run")
+                continue
+            row = dict(name=name, option=option, dtype=dtype_name, shape=list(shape))
+            try:
+                fwd, train = forward_and_train(attend)
+                row["forward_ms"] = time_jax(fwd, q, k, v)
+                row["train_ms"] = time_jax(train, q, k, v, ct)
+            except Exception as error:  # noqa: BLE001
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        if args.dry_run or jax.default_backend() != "gpu":
+            continue
+        for name, option, attend in torch_cases(shape, dtype_name):
+            if dtype_name == "float32" and option != "causal":
+                continue
+            if time.perf_counter() - started > args.budget_s:
+                print(f"budget spent: {name} {option} not run")
+                continue
+            row = dict(name=name, option=option, dtype=dtype_name, shape=list(shape))
+            try:
+                row["forward_ms"] = time_torch(attend, shape, dtype_name, train=False)
+                row["train_ms"] = time_torch(attend, shape, dtype_name, train=True)
+            except Exception as error:  # noqa: BLE001
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                traceback.print_exc(limit=2)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--budget-s", type=float, default=150.0)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args()
+    rows = run(args)
+    meta = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d"))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"{'name':34s} {'option':26s} {'dtype':9s} {'fwd ms':>8s} {'fwd+bwd ms':>10s}")
+    for r in rows:
+        print(
+            f"{r['name']:34s} {r['option']:26s} {r['dtype']:9s} "
+            f"{r.get('forward_ms', float('nan')):8.3f} {r.get('train_ms', float('nan')):10.3f} "
+            f"{r.get('error', '')[:60]}"
+        )
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
