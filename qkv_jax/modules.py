@@ -45,6 +45,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -1210,6 +1211,15 @@ def resolve_flag(name: str, field: bool | None, call: bool | None, strict: bool 
     return bool(call if call is not None else field)
 
 
+class InputWidthError(ValueError, flax.errors.ScopeParamShapeError):
+    """An input of another width than its projection was built for. A ValueError naming both
+    widths, and also flax's `ScopeParamShapeError`, which flax's linen modules raise for it, so a
+    handler written for flax catches it."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)  # flax's own __init__ takes shapes and adds a link
+
+
 def check_widths(widths: Mapping[str, int | None], inputs: Mapping[str, Array]) -> None:
     """ValueError naming the input, its width and the projection's, for an input of another width
     than its projection was built for (`AttentionFace.widths`)."""
@@ -1217,7 +1227,7 @@ def check_widths(widths: Mapping[str, int | None], inputs: Mapping[str, Array]) 
     for name, x in inputs.items():
         width = widths.get(name)
         if width is not None and x.shape[-1] != width:
-            raise ValueError(
+            raise InputWidthError(
                 f"{OWNER}: {name} has {x.shape[-1]} features (shape {tuple(x.shape)}), but its projection "
                 f"was built for {fields[name]}={width}"
             )

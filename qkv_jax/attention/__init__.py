@@ -59,11 +59,15 @@ from qkv_jax.attention.chunked import (
     per_example,
 )
 from qkv_jax.attention.dispatch import (
+    ACCELERATOR_BYTES,
     CHUNKED_MIN_KEYS,
     FEATURES,
     IMPLEMENTATIONS,
+    MATERIALIZE_FRACTION,
     SUPPORTED,
+    accelerator_block_sizes,
     check_supported,
+    materialized_bytes,
     select_implementation,
 )
 from qkv_jax.attention.function import dot_product_attention
@@ -87,6 +91,10 @@ __all__ = [
     "FEATURES",
     "SUPPORTED",
     "CHUNKED_MIN_KEYS",
+    "MATERIALIZE_FRACTION",
+    "ACCELERATOR_BYTES",
+    "accelerator_block_sizes",
+    "materialized_bytes",
     "CallOptions",
     "PrecisionLike",
     "causal_mask",

@@ -3,6 +3,7 @@ the check of an explicit choice."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,6 +19,10 @@ __all__ = [
     "FEATURES",
     "SUPPORTED",
     "CHUNKED_MIN_KEYS",
+    "MATERIALIZE_FRACTION",
+    "ACCELERATOR_BYTES",
+    "accelerator_block_sizes",
+    "materialized_bytes",
     "check_supported",
     "select_implementation",
 ]
@@ -55,9 +60,18 @@ SUPPORTED: dict[str, frozenset[str]] = {
 # top-left alignment for T != S mean the same as here is checked on a GPU by
 # benchmarks/gpu_check.sh, to be run before the rule sends them there.
 _NOT_YET_AUTOMATIC_ON_CUDNN = frozenset(("local_window_size", "query_segment_ids", "key_segment_ids"))
-# From this many keys on, "chunked"; below, "reference" on CPU (forward-mode differentiable)
-# and "xla" on accelerators. See select_implementation.
+# On CPU, from this many keys on, "chunked"; below, "reference" (forward-mode differentiable).
 CHUNKED_MIN_KEYS = 64
+# On an accelerator a materialised path ("xla", else "reference") takes a call whose
+# `materialized_bytes` are at most this share of the device's memory; beyond it the tiled scan,
+# with key blocks that fill the same share (`accelerator_block_sizes`). On an H200 at
+# B4 T4096 N16 H128 bf16, forward and backward: jax.nn's XLA path 15.2 ms, the scan with its
+# CPU tiles 32.6 to 63.4 ms (benchmarks/gpu_probe.py).
+MATERIALIZE_FRACTION = 0.25
+# The device memory assumed for a platform this process does not run on (16 GiB: a TPU v5e's
+# HBM, and less than any data-centre GPU of the last generations has).
+ACCELERATOR_BYTES = 16 * 2**30
+MIN_ACCELERATOR_KEY_BLOCK = 128
 
 # How a path that lacks a feature says so.
 _LACKS = {
@@ -144,6 +158,46 @@ def call_features(options: CallOptions, arrays: Mapping[str, Any]) -> dict[str, 
     return used
 
 
+def accelerator_bytes(platform: str) -> int:
+    """The memory of one device of `platform`: the runtime's own figure when this process runs on
+    it (`memory_stats()["bytes_limit"]`), else `ACCELERATOR_BYTES`."""
+    if platform != "cpu" and jax.default_backend() == platform:
+        stats = jax.devices()[0].memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+    return ACCELERATOR_BYTES
+
+
+def materialized_bytes(query, key) -> int:
+    """What the materialised paths keep of one call: three float32 `[batch..., N, T, S]` arrays
+    (the logits or weights kept for the backward pass, their cotangent, one more in flight)."""
+    *batch, T, N, _ = query.shape
+    return 3 * 4 * math.prod(batch) * N * T * key.shape[-3]
+
+
+def _materialized(takes: Mapping[str, bool], query, key, value) -> str | None:
+    """ "xla" (jax.nn's) where it computes the call, else "reference" (qkv_jax's own, which also
+    has the soft cap and sinks), else None."""
+    if takes["xla"] and _shape_refusal("xla", query, key, value) is None:
+        return "xla"
+    return "reference" if takes["reference"] else None
+
+
+def accelerator_block_sizes(query, key, platform: str) -> tuple[int, int]:
+    """`(block_q, block_k)` for the tiled scan on an accelerator: every query in one block, and
+    key blocks as wide as `MATERIALIZE_FRACTION` of the device's memory allows (a power of two,
+    at least `MIN_ACCELERATOR_KEY_BLOCK`): a scan on an accelerator pays per step, not per cache
+    miss, so it takes as few steps as fit."""
+    *batch, T, N, _ = query.shape
+    S = key.shape[-3]
+    per_key = 3 * 4 * math.prod(batch) * N * T
+    budget = accelerator_bytes(platform) * MATERIALIZE_FRACTION
+    block_k = MIN_ACCELERATOR_KEY_BLOCK
+    while block_k * 2 <= S and per_key * block_k * 2 <= budget:
+        block_k *= 2
+    return T, min(block_k, S)
+
+
 def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
     """The rule of `select_implementation` for a call using `features` (keyword names)."""
     used = frozenset(features)
@@ -155,11 +209,13 @@ def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
         and cudnn_applies(query, key, value, has_bias, platform)
     ):
         return "cudnn"
-    if takes["chunked"] and key.shape[-3] >= CHUNKED_MIN_KEYS:
-        return "chunked"
-    if platform != "cpu" and takes["xla"] and _shape_refusal("xla", query, key, value) is None:
-        return "xla"
-    return "reference"
+    if platform == "cpu":
+        return "chunked" if takes["chunked"] and key.shape[-3] >= CHUNKED_MIN_KEYS else "reference"
+    materialized = _materialized(takes, query, key, value)
+    fits = materialized_bytes(query, key) <= accelerator_bytes(platform) * MATERIALIZE_FRACTION
+    if materialized is not None and (fits or not takes["chunked"]):
+        return materialized
+    return "chunked"
 
 
 def select_implementation(query, key, value, bias=None, mask=None, *, platform=None, **keywords) -> str:
@@ -184,20 +240,26 @@ def select_implementation(query, key, value, bias=None, mask=None, *, platform=N
        the same as here has not been checked on a GPU
        (benchmarks/gpu_check.sh compares both with the reference, to be run
        before this rule sends them there); they go on.
-    2. At least `CHUNKED_MIN_KEYS` keys: "chunked". On CPU it is the fastest
-       path from there on, forward and backward, and its tiles keep every
-       buffer a call allocates small, under glibc's mmap threshold, where
-       pages do not fault in afresh on every call; with a window or segment
-       ids it skips the tiles they rule out.
-    3. On accelerators, "xla" (H = Hv, not float64).
-    4. "reference": on CPU below `CHUNKED_MIN_KEYS` keys, the one path that is
-       also forward-mode differentiable, and the only one that returns
-       weights or applies dropout.
+    2. On CPU: "chunked" from `CHUNKED_MIN_KEYS` keys on. It is the fastest
+       path there, forward and backward, and its tiles keep every buffer a call
+       allocates small, under glibc's mmap threshold, where pages do not fault
+       in afresh on every call; with a window or segment ids it skips the
+       tiles they rule out. Below that, or for what it lacks (weights,
+       dropout), "reference".
+    3. On an accelerator (GPU, TPU), a materialised path wherever its
+       `materialized_bytes` fit in `MATERIALIZE_FRACTION` of the device's
+       memory (`accelerator_bytes`): "xla" (H = Hv, not float64), else
+       "reference" (soft cap, sinks, MLA's unequal widths, float64, weights,
+       dropout). Beyond that, "chunked" with tiles sized for the device
+       (`accelerator_block_sizes`: all queries, key blocks filling the same
+       share); never its CPU tiles, which cost 2 to 4 times XLA's time on a
+       GPU.
 
-    The measurements behind steps 1 to 3 are in docs/benchmarks.md, each
+    The measurements behind these steps are in docs/benchmarks.md, each
     beside its command: `python benchmarks/attention.py --library-user` and
-    `--window` on CPU, benchmarks/gpu.sh on a GPU; benchmarks/gpu_check.sh
-    checks every case of step 1 against the reference on the GPU.
+    `--window` on CPU, benchmarks/gpu_probe.py and benchmarks/gpu.sh on a GPU;
+    benchmarks/gpu_check.sh checks every case of step 1 against the reference
+    on the GPU.
     """
     unknown = sorted(set(keywords) - set(FEATURES) - {"implementation", "dropout_rng"})
     if unknown:

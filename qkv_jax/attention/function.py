@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qkv_jax.attention.chunked import chunked_attention
-from qkv_jax.attention.dispatch import call_features, check_call, choose
+from qkv_jax.attention.dispatch import accelerator_block_sizes, call_features, check_call, choose
 from qkv_jax.attention.jax_nn import jax_nn_attention, matmul_precision_name
 from qkv_jax.attention.options import CallOptions, PrecisionLike, check_soft_cap, is_number
 from qkv_jax.attention.reference import reference_attention
@@ -184,6 +184,8 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
             query, key, value, bias, allowed, traced.sinks, scale=scale, options=options, dropout_rng=rng
         )
     if implementation == "chunked":
+        platform = jax.default_backend()
+        blocks = (None, None) if platform == "cpu" else accelerator_block_sizes(query, key, platform)
         output, residual = chunked_attention(
             query,
             key,
@@ -195,6 +197,8 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
             logits_soft_cap=options.soft_cap,
             sinks=traced.sinks,
             return_residual=True,
+            block_q=blocks[0],
+            block_k=blocks[1],
             precision=options.precision,
         )
         return output, residual, None
@@ -322,10 +326,10 @@ def dot_product_attention(
         "chunked": `qkv_jax.attention.chunked_attention`, blocked online
           softmax with memory O(T x block), skipping the tiles that causality,
           a window, lengths or segment ids rule out.
-        None: `select_implementation`'s rule (see there): "reference" for
-          weights or dropout; "cudnn" on a GPU where it applies; "chunked"
-          from `CHUNKED_MIN_KEYS` keys; below that "reference" on CPU, "xla"
-          (when eligible) on accelerators.
+        None: `select_implementation`'s rule (see there): "cudnn" on a GPU
+          where it applies; on CPU "chunked" from `CHUNKED_MIN_KEYS` keys and
+          "reference" below; on accelerators "xla" (else "reference") where
+          the logits fit in memory, "chunked" with the device's tiles beyond.
         What each path takes is `qkv_jax.attention.SUPPORTED` ("xla" and
         "cudnn" have no soft cap and no sinks: jax.nn has neither); asking for
         a path that cannot compute the call raises ValueError.

@@ -19,7 +19,16 @@ from jax.test_util import check_grads
 
 import qkv_jax
 from qkv_jax import dot_product_attention
-from qkv_jax.attention import CHUNKED_MIN_KEYS, FEATURES, SUPPORTED, check_supported, select_implementation
+from qkv_jax.attention import (
+    ACCELERATOR_BYTES,
+    CHUNKED_MIN_KEYS,
+    FEATURES,
+    MATERIALIZE_FRACTION,
+    SUPPORTED,
+    accelerator_block_sizes,
+    check_supported,
+    select_implementation,
+)
 from qkv_jax.attention.chunked import chunked_attention
 
 PATHS = ["xla", "chunked"]
@@ -290,27 +299,33 @@ SELECTIONS = [
     ),
     # ... and not where it does not: a bias (masks and causal offsets become one) needs even T and
     # S for cuDNN's backward, H is a multiple of 8 up to 128 and equal to Hv, the inputs bf16/fp16.
-    ("gpu masked odd T", shapes(LONG - 1, LONG, dtype=BF16), dict(mask=True), "gpu", "chunked"),
+    ("gpu masked odd T", shapes(LONG - 1, LONG, dtype=BF16), dict(mask=True), "gpu", "xla"),
     (
         "gpu causal with an offset, odd S",
         shapes(8, LONG + 1, dtype=BF16),
         dict(is_causal=True, query_offset=LONG + 1 - 8),
         "gpu",
-        "chunked",
+        "xla",
     ),
     ("gpu causal, odd S", shapes(8, LONG + 1, dtype=BF16), dict(is_causal=True), "gpu", "cudnn"),
     ("gpu unmasked odd T", shapes(LONG - 1, LONG + 1, dtype=BF16), dict(is_causal=False), "gpu", "cudnn"),
-    ("gpu H 256", shapes(LONG, LONG, H=256, Hv=256, dtype=BF16), {}, "gpu", "chunked"),
-    ("gpu H 12", shapes(LONG, LONG, H=12, Hv=12, dtype=BF16), {}, "gpu", "chunked"),
-    ("gpu Hv != H", shapes(LONG, LONG, Hv=16, dtype=BF16), {}, "gpu", "chunked"),
-    ("gpu bf16 query, f32 key", shapes(LONG, LONG, dtype=BF16, key_dtype=jnp.float32), {}, "gpu", "chunked"),
-    ("gpu float32 long", shapes(LONG, LONG), {}, "gpu", "chunked"),
+    ("gpu H 256", shapes(LONG, LONG, H=256, Hv=256, dtype=BF16), {}, "gpu", "xla"),
+    ("gpu H 12", shapes(LONG, LONG, H=12, Hv=12, dtype=BF16), {}, "gpu", "xla"),
+    ("gpu Hv != H", shapes(LONG, LONG, Hv=16, dtype=BF16), {}, "gpu", "reference"),
+    ("gpu bf16 query, f32 key", shapes(LONG, LONG, dtype=BF16, key_dtype=jnp.float32), {}, "gpu", "xla"),
+    ("gpu float32 long", shapes(LONG, LONG), {}, "gpu", "xla"),
     ("gpu float32 short", shapes(8, 8), {}, "gpu", "xla"),
     ("gpu Hv != H short", shapes(8, 8, Hv=4), {}, "gpu", "reference"),
     ("gpu weights", shapes(8, 8, dtype=BF16), dict(return_weights=True), "gpu", "reference"),
     ("gpu dropout", shapes(LONG, LONG, dtype=BF16), dict(dropout_rate=0.1), "gpu", "reference"),
     ("tpu", shapes(8, 8, dtype=BF16), {}, "tpu", "xla"),
-    ("tpu masked long", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "tpu", "chunked"),
+    ("tpu masked long", shapes(LONG, LONG, dtype=BF16), dict(mask=MASK), "tpu", "xla"),
+    # Accelerators, step 3: a materialised path while the logits fit in a quarter of the device's
+    # memory (16 GiB assumed for a platform this process does not run on), the scan beyond.
+    ("gpu float32 32k keys", shapes(32768, 32768), dict(is_causal=True), "gpu", "chunked"),
+    ("gpu soft cap 32k keys", shapes(32768, 32768), dict(logits_soft_cap=5.0), "gpu", "chunked"),
+    ("tpu float32 16k keys", shapes(16384, 16384), {}, "tpu", "chunked"),
+    ("tpu float32 4k keys", shapes(4096, 4096), {}, "tpu", "xla"),
 ]
 
 
@@ -433,3 +448,36 @@ def test_xla_refuses_float64():
         query = np.ones((4, 2, 4))
         with pytest.raises(ValueError, match="cannot serve float64"):
             dot_product_attention(query, query, query, implementation="xla")
+
+
+LONG_CALLS = {
+    "causal left window": dict(is_causal=True, local_window_size=(1024, 0)),
+    "two-sided window": dict(local_window_size=(512, 512)),
+    "packed": dict(
+        query_segment_ids=jax.ShapeDtypeStruct((1, 4096), jnp.int32),
+        key_segment_ids=jax.ShapeDtypeStruct((1, 4096), jnp.int32),
+    ),
+    "sinks": dict(is_causal=True, sinks=jax.ShapeDtypeStruct((8,), jnp.float32)),
+    "soft cap": dict(is_causal=True, logits_soft_cap=50.0),
+    "float32": dict(is_causal=True),
+}
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_accelerators_take_no_cpu_scan_at_4096_keys(platform):
+    """A model's attention at 4,096 positions (batch 1, 8 heads): the materialised paths' logits
+    fit, so no option sends it to the scan tuned for CPU caches."""
+    for name, kwargs in LONG_CALLS.items():
+        dtype = jnp.float32 if name == "float32" else BF16
+        inputs = tuple(jax.ShapeDtypeStruct((1, 4096, 8, 64), dtype) for _ in range(3))
+        assert select_implementation(*inputs, platform=platform, **kwargs) != "chunked", name
+
+
+def test_the_scan_on_an_accelerator_takes_the_widest_tiles_that_fit():
+    query = jax.ShapeDtypeStruct((1, 32768, 8, 64), jnp.float32)
+    block_q, block_k = accelerator_block_sizes(query, query, "tpu")
+    per_key = 3 * 4 * 8 * 32768
+    assert block_q == 32768 and block_k & (block_k - 1) == 0
+    assert per_key * block_k <= ACCELERATOR_BYTES * MATERIALIZE_FRACTION < per_key * block_k * 2
+    short = jax.ShapeDtypeStruct((1, 100, 2, 8), jnp.float32)
+    assert accelerator_block_sizes(short, short, "gpu") == (100, 100)

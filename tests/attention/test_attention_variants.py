@@ -488,16 +488,16 @@ GPU_SHAPES = tuple(jax.ShapeDtypeStruct(s, BF16) for s in ((2, 64, 4, 64), (2, 6
 CPU_SHORT = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 8, 4, 8), (2, 8, 2, 8), (2, 8, 2, 8)))
 SEGMENT_IDS = jax.ShapeDtypeStruct((2, 64), jnp.int32)
 NEW_ARGUMENT_SELECTIONS = [
-    ("gpu window: not yet checked on cuDNN", GPU_SHAPES, dict(local_window_size=(16, 0)), "gpu", "chunked"),
+    ("gpu window: not yet checked on cuDNN", GPU_SHAPES, dict(local_window_size=(16, 0)), "gpu", "xla"),
     (
         "gpu segments: not yet checked on cuDNN",
         GPU_SHAPES,
         dict(query_segment_ids=SEGMENT_IDS, key_segment_ids=SEGMENT_IDS),
         "gpu",
-        "chunked",
+        "xla",
     ),
-    ("gpu soft cap", GPU_SHAPES, dict(logits_soft_cap=30.0), "gpu", "chunked"),
-    ("gpu sinks", GPU_SHAPES, dict(sinks=jax.ShapeDtypeStruct((4,), jnp.float32)), "gpu", "chunked"),
+    ("gpu soft cap", GPU_SHAPES, dict(logits_soft_cap=30.0), "gpu", "reference"),
+    ("gpu sinks", GPU_SHAPES, dict(sinks=jax.ShapeDtypeStruct((4,), jnp.float32)), "gpu", "reference"),
     ("gpu causal, offset 0", GPU_SHAPES, dict(is_causal=True, query_offset=0), "gpu", "cudnn"),
     ("gpu causal, offset as a bias", GPU_SHAPES, dict(is_causal=True, query_offset=3), "gpu", "cudnn"),
     ("gpu short window", CPU_SHORT, dict(local_window_size=2), "gpu", "xla"),

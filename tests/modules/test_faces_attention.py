@@ -10,6 +10,7 @@ constructor's keywords and `AttentionOptions` carry the same names and defaults.
 import dataclasses
 import inspect
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 
 import qkv_jax
 from qkv_jax import positions
-from qkv_jax.modules import OPTION_NAMES, AttentionOptions
+from qkv_jax.modules import OPTION_NAMES, AttentionOptions, InputWidthError
 from qkv_jax.nnx import MultiHeadAttention as NNXAttention
 from qkv_jax.nnx import linen_to_nnx, nnx_to_linen
 
@@ -221,9 +222,9 @@ def outcome(run, fields, inputs, call, decode):
 BAD = {
     "query of rank 1": ({}, (X[0, 0],), {}, False, ValueError, "inputs_q must have shape [batch..., length"),
     "key of rank 1": ({}, (X, X[0, 0]), {}, False, ValueError, "inputs_k must have shape"),
-    "key of another width": ({}, (X, X[..., :6]), {}, False, ValueError, "inputs_k has 6 features"),
-    "value of another width": ({}, (X, X, X[..., :6]), {}, False, ValueError, "inputs_v has 6 features"),
-    "query of another width": ({}, (X[..., :6],), {}, False, ValueError, "inputs_q has 6 features"),
+    "key of another width": ({}, (X, X[..., :6]), {}, False, InputWidthError, "inputs_k has 6 features"),
+    "value of another width": ({}, (X, X, X[..., :6]), {}, False, InputWidthError, "inputs_v has 6 features"),
+    "query of another width": ({}, (X[..., :6],), {}, False, InputWidthError, "inputs_q has 6 features"),
     "batch dims differ": ({}, (X, X[:1]), {}, False, ValueError, "batch dims differ"),
     "mask of the wrong shape": (
         {},
@@ -368,8 +369,10 @@ def test_faces_give_the_same_error(case):
 
 
 def test_a_key_of_another_width_names_both_widths():
-    """Before the faces shared one core, this was flax's ScopeParamShapeError (linen) and a
-    dot_general TypeError (nnx)."""
+    """flax raises a ScopeParamShapeError (linen) and a dot_general TypeError (nnx); both faces
+    raise an InputWidthError, a ValueError that is also flax's ScopeParamShapeError."""
+    assert issubclass(InputWidthError, ValueError)
+    assert issubclass(InputWidthError, flax.errors.ScopeParamShapeError)
     _, message = outcome(nnx_run, dict(num_heads=2), (X, X[..., :6]), {}, False)
     assert message == (
         "MultiHeadAttention: inputs_k has 6 features (shape (2, 5, 6)), but its projection was built "
@@ -379,7 +382,7 @@ def test_a_key_of_another_width_names_both_widths():
 
 def test_a_mask_as_inputs_v_warns_as_flax_then_names_the_widths():
     """flax.linen's DeprecationWarning for a square `inputs_v` (a mask passed positionally), then
-    the width error (flax: ScopeParamShapeError; the peer test doing this is skipped)."""
+    the width error (flax's peer test of this expects its ScopeParamShapeError, which it is too)."""
     module = qkv_jax.MultiHeadDotProductAttention(num_heads=1)
     query = jax.random.normal(jax.random.PRNGKey(2), (1, 10, 1))
     variables = module.init(jax.random.PRNGKey(3), query, query)

@@ -32,9 +32,6 @@ Skipped, each a feature docs/compatibility.md lists as unsupported:
   test_dot_product_attention_specify_einsums_together: the einsum overrides of flax's
     attention function (einsum_dot_general, qk_attn_weights_einsum,
     attn_weights_value_einsum), which qkv_jax's does not take.
-  test_multihead_mask_warning: a value input of another width than the module was built
-    for raises flax's ScopeParamShapeError there; qkv_jax raises a ValueError naming both
-    widths (its DeprecationWarning is tested in tests/modules/test_faces_attention.py).
 """
 # ruff: noqa
 # fmt: off
@@ -388,7 +385,6 @@ class AttentionTest(parameterized.TestCase):
         key(), query, key_value, key_value, inputs_kv=key_value
       )
 
-  @absltest.skip("an input of another width: qkv_jax's ValueError, not flax's ScopeParamShapeError (docs/compatibility.md)")
   def test_multihead_mask_warning(self):
     rng = random.key(0)
     rng1, rng2 = random.split(rng, num=2)

@@ -33,7 +33,13 @@ def setup_arguments() -> dict:
 def test_the_suites_python_and_dependencies_meet_what_setup_asks_for():
     """The interpreter running the suite is one python_requires admits, and every dependency's
     installed version is one install_requires admits: the bounds claim nothing the suite does not
-    run on (a bound raised past what is installed, or a Python left out, fails here)."""
+    run on (a bound raised past what is installed, or a Python left out, fails here). Only where
+    qkv_jax was installed: a checkout put on PYTHONPATH (as on the GPU machine, whose image
+    cannot install packages) never had pip check its dependencies against these bounds."""
+    try:
+        importlib.metadata.version("qkv_jax")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("qkv_jax is not installed here (a checkout on PYTHONPATH)")
     arguments = setup_arguments()
     python = ".".join(map(str, sys.version_info[:3]))
     assert SpecifierSet(arguments["python_requires"]).contains(python), (arguments["python_requires"], python)
