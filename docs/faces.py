@@ -2,12 +2,14 @@
 
 `python -m docs.generate faces` rewrites, between `# generated:options` and
 `# end generated:options`, the linen face's fields (qkv_jax/modules.py) and the nnx face's
-constructor keywords (qkv_jax/nnx/attention.py): every `AttentionOptions` field that the face
-does not declare by hand (flax's own fields and keywords, in flax's order), with the type and
-default it is declared with. A new attention option is
+option keywords (`OptionKeywords` in qkv_jax/nnx/attention.py, its constructor's
+`**options`): every `AttentionOptions` field that the face does not declare by hand (flax's own
+fields and keywords, in flax's order), with the type it is declared with (and the default, for
+linen's fields). A new attention option is
 declared once, in `AttentionOptions`; the faces get it from here, and
 tests/modules/test_faces_attention.py fails while they lack it. The faces keep explicit
-fields and keywords (not ones made at import time) so that type checkers and editors see them.
+fields and typed keywords (not ones made at import time) so that type checkers and editors see
+them.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ def blocks() -> dict[pathlib.Path, str]:
     from qkv_jax.nnx.attention import MultiHeadAttention as NNXAttention
 
     linen = "".join(f"{field.name}: {field.type} = {_default(field.default)}\n" for field in own_options())
-    nnx_by_hand = set(inspect.signature(NNXAttention.__init__).parameters) - _generated_names(NNX)
+    nnx_by_hand = set(inspect.signature(NNXAttention.__init__).parameters) - {"self", "options"}
     nnx = "".join(
-        f"{field.name}: {field.type} = {_default(field.default)},\n"
+        f"{field.name}: {field.type}\n"
         for field in dataclasses.fields(AttentionOptions)
         if field.name not in nnx_by_hand
     )

@@ -553,6 +553,77 @@ def _sinks_grad(sinks: Array, log_sum_exp: Array, row_dot: Array, tiling: _Tilin
     return jnp.sum(grad, axis=0, keepdims=True) if sinks.shape[0] == 1 else grad
 
 
+class _Backward(NamedTuple):
+    """What every tile of the backward pass reads: the query, the output's cotangent and D as
+    rows, the finite log-sum-exp, the masking, bias and scale, and how far each block reaches."""
+
+    query: Array
+    output_grad_rows: Array
+    finite_lse: Array
+    row_dot: Array
+    masking: Any
+    bias: Array | None
+    scale: Array
+    reach: Any
+    zero: Array
+
+
+def _backward_tile(tiling: _Tiling, inputs: _Backward, i, j, key_j, grads):
+    """One tile (query block i, key block j) of `_attention_bwd`: adds its share to dQ, the
+    bias's gradient, dK_j and dV_j (transposed) and the scale's gradient."""
+    query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = grads
+    key_start, key_nan_j, key_zero_j, value_j = key_j
+    dtype, bq = tiling.dtype, tiling.block_q
+    dot = functools.partial(jnp.einsum, precision=tiling.precision)
+    start = tiling.query_start(i)
+    query_i = _to_rows(lax.dynamic_slice_in_dim(inputs.query, start, bq, axis=1), tiling, dtype)
+    output_grad_i = _rows_of(inputs.output_grad_rows, tiling, start)  # (B, K, bq*G, Hv)
+    logits, slope = _tile_logits(
+        tiling, query_i, key_nan_j, inputs.masking, inputs.bias, inputs.scale, i, j, backward=True
+    )
+    weights = jnp.exp(logits - _rows_of(inputs.finite_lse, tiling, start)[..., None])  # (B, K, bq*G, bk)
+    value_grad_j += dot("bkrh,bkrc->bkhc", output_grad_i, weights)  # (B, K, Hv, bk)
+    weights_grad = dot("bkrh,bkch->bkrc", output_grad_i, value_j)  # (B, K, bq*G, bk)
+    logits_grad = weights * (weights_grad - _rows_of(inputs.row_dot, tiling, start))  # (B, K, bq*G, bk)
+    if slope is not None:
+        logits_grad = logits_grad * slope  # dS through the soft cap
+    query_grad_i = dot("bkrc,bkch->bkrh", logits_grad, key_zero_j)  # (B, K, bq*G, H), dS K
+    scale_grad += jnp.sum(query_grad_i * query_i)  # sum(dS * Q K^T); dropped when unused
+    query_grad = _add_at(query_grad, _from_rows(query_grad_i * inputs.scale, tiling), start, axis=1)
+    key_grad_j += dot("bkrh,bkrc->bkhc", query_i, logits_grad)  # (B, K, H, bk)
+    if inputs.bias is not None:
+        bias_grad = _bias_grad_add(bias_grad, logits_grad, start, key_start, tiling)
+    return query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad
+
+
+def _backward_key_block(tiling: _Tiling, inputs: _Backward, key, value, j, carry):
+    """Key block j of `_attention_bwd`: the query blocks that read it, then its dK and dV."""
+    query_grad, key_grad, value_grad, bias_grad, scale_grad = carry
+    B, _, _, H = inputs.query.shape
+    K, bk, Hv, dtype = tiling.K, tiling.block_k, value.shape[-1], tiling.dtype
+    key_start = tiling.key_start(j)
+    key_nan_j, value_j = _key_block(key, value, key_start, tiling)  # (B, K, bk, H|Hv)
+    key_zero_j, _ = _key_block(key, value, key_start, tiling, zero_keys=True)
+    key_j = (key_start, key_nan_j, key_zero_j, value_j)
+
+    def query_step(i, grads):
+        tile = functools.partial(_backward_tile, tiling, inputs, i, j, key_j)
+        return _unless_segments_differ(inputs.masking, tiling, i, j, tile, grads)
+
+    init = (
+        query_grad,
+        bias_grad,
+        jnp.zeros((B, K, H, bk), dtype) + inputs.zero,
+        jnp.zeros((B, K, Hv, bk), dtype) + inputs.zero,
+        scale_grad,
+    )
+    first, last = tiling.query_block_range(j, inputs.masking, inputs.reach)
+    query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = lax.fori_loop(first, last, query_step, init)
+    key_grad = _add_at(key_grad, jnp.transpose(key_grad_j * inputs.scale, (0, 3, 1, 2)), key_start, axis=1)
+    value_grad = _add_at(value_grad, jnp.transpose(value_grad_j, (0, 3, 1, 2)), key_start, axis=1)
+    return query_grad, key_grad, value_grad, bias_grad, scale_grad
+
+
 def _attention_bwd(tiling: _Tiling, residuals, cotangents):
     """Recomputes each tile's weights from the saved log-sum-exp (FlashAttention-2).
 
@@ -567,65 +638,22 @@ def _attention_bwd(tiling: _Tiling, residuals, cotangents):
     query, key, value, masking, bias, sinks, scale, output, log_sum_exp = residuals
     output_grad, _ = cotangents
     tiling = tiling.for_backward()
-    dtype, precision = tiling.dtype, tiling.precision
-    B, T, _, H = query.shape
-    K, bq, bk = tiling.K, tiling.block_q, tiling.block_k
-    Hv = value.shape[-1]
+    dtype = tiling.dtype
     output_grad = output_grad.astype(dtype)
     row_dot = _to_rows(_row_dot(output_grad, output), tiling, dtype)  # D: (B, K, T*G, 1)
     output_grad = jnp.where(jnp.isnan(output), 0.0, output_grad)  # (B, T, N, Hv), fused into the copy
-    output_grad_rows = _to_rows(output_grad, tiling, dtype)  # (B, K, T*G, Hv)
-    finite_lse = jnp.where(log_sum_exp > -jnp.inf, log_sum_exp, 0.0)  # rows with no mass: weights 0
-    dot = functools.partial(jnp.einsum, precision=precision)
     zero = _carry_zero(dtype, residuals, output_grad)
-    reach = _reach(tiling, masking)
-
-    def key_block(j, carry):
-        query_grad, key_grad, value_grad, bias_grad, scale_grad = carry
-        key_start = tiling.key_start(j)
-        key_nan_j, value_j = _key_block(key, value, key_start, tiling)  # (B, K, bk, H|Hv)
-        key_zero_j, _ = _key_block(key, value, key_start, tiling, zero_keys=True)
-
-        def query_step(i, grads):
-            def tile(grads):
-                query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = grads
-                start = tiling.query_start(i)
-                query_i = _to_rows(lax.dynamic_slice_in_dim(query, start, bq, axis=1), tiling, dtype)
-                output_grad_i = _rows_of(output_grad_rows, tiling, start)  # (B, K, bq*G, Hv)
-                logits, slope = _tile_logits(
-                    tiling, query_i, key_nan_j, masking, bias, scale, i, j, backward=True
-                )
-                weights = jnp.exp(logits - _rows_of(finite_lse, tiling, start)[..., None])  # (B, K, bq*G, bk)
-                value_grad_j += dot("bkrh,bkrc->bkhc", output_grad_i, weights)  # (B, K, Hv, bk)
-                weights_grad = dot("bkrh,bkch->bkrc", output_grad_i, value_j)  # (B, K, bq*G, bk)
-                logits_grad = weights * (weights_grad - _rows_of(row_dot, tiling, start))  # (B, K, bq*G, bk)
-                if slope is not None:
-                    logits_grad = logits_grad * slope  # dS through the soft cap
-                query_grad_i = dot("bkrc,bkch->bkrh", logits_grad, key_zero_j)  # (B, K, bq*G, H), dS K
-                scale_grad += jnp.sum(query_grad_i * query_i)  # sum(dS * Q K^T); dropped when unused
-                query_grad = _add_at(query_grad, _from_rows(query_grad_i * scale, tiling), start, axis=1)
-                key_grad_j += dot("bkrh,bkrc->bkhc", query_i, logits_grad)  # (B, K, H, bk)
-                if bias is not None:
-                    bias_grad = _bias_grad_add(bias_grad, logits_grad, start, key_start, tiling)
-                return query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad
-
-            return _unless_segments_differ(masking, tiling, i, j, tile, grads)
-
-        init = (
-            query_grad,
-            bias_grad,
-            jnp.zeros((B, K, H, bk), dtype) + zero,
-            jnp.zeros((B, K, Hv, bk), dtype) + zero,
-            scale_grad,
-        )
-        first, last = tiling.query_block_range(j, masking, reach)
-        query_grad, bias_grad, key_grad_j, value_grad_j, scale_grad = lax.fori_loop(
-            first, last, query_step, init
-        )
-        key_grad = _add_at(key_grad, jnp.transpose(key_grad_j * scale, (0, 3, 1, 2)), key_start, axis=1)
-        value_grad = _add_at(value_grad, jnp.transpose(value_grad_j, (0, 3, 1, 2)), key_start, axis=1)
-        return query_grad, key_grad, value_grad, bias_grad, scale_grad
-
+    inputs = _Backward(
+        query=query,
+        output_grad_rows=_to_rows(output_grad, tiling, dtype),  # (B, K, T*G, Hv)
+        finite_lse=jnp.where(log_sum_exp > -jnp.inf, log_sum_exp, 0.0),  # rows with no mass: weights 0
+        row_dot=row_dot,
+        masking=masking,
+        bias=bias,
+        scale=scale,
+        reach=_reach(tiling, masking),
+        zero=zero,
+    )
     init = (
         jnp.zeros(query.shape, dtype) + zero,
         jnp.zeros(key.shape, dtype) + zero,
@@ -633,6 +661,7 @@ def _attention_bwd(tiling: _Tiling, residuals, cotangents):
         None if bias is None else jnp.zeros(bias.shape, dtype) + zero,
         zero,
     )
+    key_block = functools.partial(_backward_key_block, tiling, inputs, key, value)
     query_grad, key_grad, value_grad, bias_grad, scale_grad = lax.fori_loop(
         0, tiling.num_key_blocks, key_block, init
     )

@@ -24,7 +24,7 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,48 @@ class LoRALinearGeneral(nnx.LinearGeneral):
         return output + update.astype(output.dtype)  # (..., out...)
 
 
+class OptionKeywords(TypedDict, total=False):
+    """qkv_jax's own options as keywords of the nnx `MultiHeadAttention`: every `AttentionOptions`
+    field that flax.nnx's constructor has not, with its type; its default and meaning are
+    `AttentionOptions`'. Type checkers and editors see each one (PEP 692); a keyword not
+    declared here or by flax is a TypeError, as for any Python function."""
+
+    # generated:options - AttentionOptions' fields flax has not (python -m docs.generate faces)
+    head_dim: int | None
+    v_head_dim: int | None
+    kv_latent_dim: int | None
+    absorb_latent: bool
+    out_bias: bool | None
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: tuple[str, ...]
+    qk_norm_width: str
+    qk_norm_epsilon: float
+    rope_base: float | None
+    rope_fraction: float
+    rope_scaling: RopeScaling | None
+    is_causal: bool
+    local_window_size: int | tuple[int, int] | None
+    attention_implementation: str | None
+    scale: float | None
+    attn_logits_soft_cap: float | None
+    use_sinks: bool
+    force_fp32_for_softmax: bool
+    qk_attn_weights_einsum_cls: Any
+    attn_weights_value_einsum_cls: Any
+    sow_weights: bool
+    # end generated:options
+
+
+def _keywords(given: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """The constructor's arguments by name: flax's keywords (`given`, its locals) and qkv_jax's
+    `options`, checked against `OptionKeywords`."""
+    unknown = sorted(set(options) - set(OptionKeywords.__annotations__))
+    if unknown:
+        raise TypeError(f"MultiHeadAttention.__init__() got an unexpected keyword argument {unknown[0]!r}")
+    return {**{name: value for name, value in given.items() if name != "options"}, **options}
+
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention; a drop-in for `flax.nnx.MultiHeadAttention`.
 
@@ -237,33 +279,9 @@ class MultiHeadAttention(nnx.Module):
         out_bias_metadata: Mapping[str, Any] = _EMPTY,
         query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
         key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
-        # generated:options - AttentionOptions' fields flax has not (python -m docs.generate faces)
-        head_dim: int | None = None,
-        v_head_dim: int | None = None,
-        kv_latent_dim: int | None = None,
-        absorb_latent: bool = True,
-        out_bias: bool | None = None,
-        lora_rank: int = 0,
-        lora_alpha: float = 16.0,
-        lora_targets: tuple[str, ...] = ("query", "value"),
-        qk_norm_width: str = "head",
-        qk_norm_epsilon: float = 1e-06,
-        rope_base: float | None = None,
-        rope_fraction: float = 1.0,
-        rope_scaling: RopeScaling | None = None,
-        is_causal: bool = False,
-        local_window_size: int | tuple[int, int] | None = None,
-        attention_implementation: str | None = None,
-        scale: float | None = None,
-        attn_logits_soft_cap: float | None = None,
-        use_sinks: bool = False,
-        force_fp32_for_softmax: bool = False,
-        qk_attn_weights_einsum_cls: Any = None,
-        attn_weights_value_einsum_cls: Any = None,
-        sow_weights: bool = False,
-        # end generated:options
+        **options: Unpack[OptionKeywords],
     ):
-        arguments: Mapping[str, Any] = MappingProxyType(dict(locals()))
+        arguments: Mapping[str, Any] = MappingProxyType(_keywords(locals(), options))
         self._settle(AttentionOptions.pick(arguments), in_features, in_kv_features)
         self.deterministic, self.decode = deterministic, decode
         self._build(arguments)

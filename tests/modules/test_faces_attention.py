@@ -24,6 +24,7 @@ from qkv_jax import positions
 from qkv_jax.modules import OPTION_NAMES, AttentionOptions, InputWidthError
 from qkv_jax.nnx import MultiHeadAttention as NNXAttention
 from qkv_jax.nnx import linen_to_nnx, nnx_to_linen
+from qkv_jax.nnx.attention import OptionKeywords
 
 B, S, D = 2, 5, 8
 X = jax.random.normal(jax.random.PRNGKey(0), (B, S, D))
@@ -430,7 +431,13 @@ def test_linen_fields_nnx_keywords_and_options_agree():
     defaults = {f.name: f.default for f in dataclasses.fields(AttentionOptions)}
     linen = {name: f.default for name, f in qkv_jax.MultiHeadAttention.__dataclass_fields__.items()}
     parameters = inspect.signature(NNXAttention.__init__).parameters
-    keywords = {name: p.default for name, p in parameters.items() if name != "self"}
+    assert parameters["options"].kind is inspect.Parameter.VAR_KEYWORD
+    flax_keywords = {name: p.default for name, p in parameters.items() if name not in ("self", "options")}
+    # qkv_jax's own options: typed keywords (`**options: Unpack[OptionKeywords]`), whose defaults
+    # are AttentionOptions'.
+    own = set(OptionKeywords.__annotations__)
+    assert not own & set(flax_keywords)
+    keywords = {**flax_keywords, **{name: defaults[name] for name in own}}
     assert set(linen) - set(defaults) == LINEN_ONLY
     assert set(defaults) - set(linen) == set()
     assert set(keywords) - set(defaults) == NNX_ONLY
@@ -450,6 +457,11 @@ def test_linen_fields_nnx_keywords_and_options_agree():
         "num_kv_heads",
         "in_kv_features",
     ]
+
+
+def test_an_unknown_nnx_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_heds'"):
+        NNXAttention(2, 8, num_heds=2, rngs=nnx.Rngs(0))
 
 
 def test_the_faces_declare_the_options_python_m_docs_generate_faces_writes():
