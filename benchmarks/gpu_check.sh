@@ -1,32 +1,39 @@
 #!/usr/bin/env bash
-# The whole GPU check in one run (under 10 minutes on an H200), results under $OUT:
-#   1. the wheels the GPU machine lacks, installed as ../shared/tools/gpu-prep prepared them;
-#   2. the test suite on the GPU: pytest -n 8 -m "not slow" tests       ($OUT/pytest.txt),
-#      then jax's own dot_product_attention tests against qkv_jax, cuDNN cases included
-#      (tests/peers/test_jax_nn_attention.py)                              ($OUT/pytest_peers.txt);
-#   3. every kind of call the dispatch rule sends to cuDNN, and the local windows and segment
-#      ids it keeps from cuDNN until they pass here (asked for as implementation="cudnn"),
-#      outputs and gradients against the reference path on the GPU
-#      (benchmarks/attention.py --gpu-check)                                ($OUT/cudnn_check.*);
-#   4. bash benchmarks/gpu.sh: attention and LM benchmarks, docs/benchmarks.md
-#      ($OUT/results/*.json, $OUT/benchmarks.md, $OUT/gpu_sh.txt).
-# Exits non-zero if the tests or the cuDNN check failed (every step runs regardless).
+# The whole GPU check in one run, within GPU_CHECK_SECONDS (default 470: under 8 minutes on an
+# H200), every step bounded by `timeout` and logging under $OUT as it goes, then one table:
+#   1. side by side (correctness, not timed): the fast tier on the GPU, each test under a
+#      90 s timeout and named as it finishes (-v, -rf)                       ($OUT/pytest.txt);
+#      jax's own dot_product_attention tests against qkv_jax               ($OUT/pytest_peers.txt);
+#      every kind of call the dispatch rule sends to cuDNN, and the windows and segment ids it
+#      keeps from cuDNN until they pass here, against the reference        ($OUT/cudnn_check.*);
+#      the fused Pallas kernel against the reference, every option it claims
+#      (benchmarks/gpu_probe.py --check pallas)                            ($OUT/kernel_check.*);
+#   2. alone (timed): every attention option, forward and forward plus backward, for qkv_jax's
+#      default and Pallas paths, cuDNN, jax.nn's XLA path, torch's SDPA and compiled
+#      flex_attention (benchmarks/gpu_probe.py)                           ($OUT/probe.*);
+#      the LM's train step against torch eager and torch.compile, and decoding tokens/s
+#      (benchmarks/lm.py --gpu)                                            ($OUT/lm_gpu.*);
+#   3. one table of all of it (benchmarks/gpu_summary.py)                  ($OUT/summary.md).
+# Exits non-zero if the tests or a check failed (every step runs regardless).
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh   # on the GPU machine, from the repository root
-#   bash benchmarks/gpu_check.sh --dry-run       # on CPU: no install, the dispatch and precision
-#                                                # tests only, the check and gpu.sh at tiny sizes
+#   bash benchmarks/gpu_check.sh --dry-run       # on CPU: the dispatch and precision tests, the
+#                                                # checks and timings at tiny sizes
+# The wheels the GPU machine lacks (../shared/tools/gpu-prep puts them in .gpu-wheels/) are
+# installed first; wheels in .probe-wheels/ (optional peers for the timings) after the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry_run=()
 if [[ "${1:-}" == "--dry-run" ]]; then
   dry_run=(--dry-run)
 elif [[ $# -gt 0 ]]; then
-  echo "usage: [OUT=dir] bash benchmarks/gpu_check.sh [--dry-run]" >&2
+  echo "usage: [OUT=dir] [GPU_CHECK_SECONDS=470] bash benchmarks/gpu_check.sh [--dry-run]" >&2
   exit 2
 fi
 OUT=${OUT:-$PWD/gpu_check_out}
-mkdir -p "$OUT/results"
+mkdir -p "$OUT"
 started=$SECONDS
+total=${GPU_CHECK_SECONDS:-470}
 status=0
 
 if compgen -G ".gpu-wheels/*.whl" >/dev/null && [[ ${#dry_run[@]} -eq 0 ]]; then
@@ -38,70 +45,66 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
 {
-  nvidia-smi 2>&1 || echo "no nvidia-smi"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
   python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1
 } | tee "$OUT/environment.txt"
 
-total=${GPU_CHECK_SECONDS:-470}  # the whole check within 8 minutes on an H200
-probe_wheels=()
-compgen -G ".probe-wheels/*.whl" >/dev/null && probe_wheels=(.probe-wheels/*.whl)
-
-# The fast tier, jax's own attention tests and the cuDNN check share the GPU at once (16 cores,
-# 139 GiB): each names its failures as they happen (-v, -rf, a per-test timeout), so a step cut
-# off at its limit still says what failed.
-echo "== fast tier, jax.nn's attention tests and the cuDNN check, side by side (timeout 170 s)"
+# 1. Correctness, side by side: the GPU has room for all of it, and none of it is timed.
+correct_s=$((total * 40 / 100))
+echo "== 1. tests and checks, side by side (${correct_s} s)"
+per_test=()  # pytest-timeout is on the GPU machine's image; not needed for a dry run
+python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
 if [[ ${#dry_run[@]} -eq 0 ]]; then
-  tests=(-n 11 -m "not slow" tests)
+  tests=(-n 10 -m "not slow" --durations=20 tests)
 else
   tests=(-p no:xdist tests/attention/test_dispatch.py tests/attention/test_precision.py)
 fi
-per_test=()  # pytest-timeout is on the GPU machine's image; not needed for a dry run
-python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
-timeout 170 python3 -m pytest -v -rf "${per_test[@]}" -p no:cacheprovider "${tests[@]}" >"$OUT/pytest.txt" 2>&1 &
+timeout "$correct_s" python3 -m pytest -v -rf --tb=short "${per_test[@]}" -p no:cacheprovider "${tests[@]}" \
+  >"$OUT/pytest.txt" 2>&1 &
 tests_pid=$!
+peers_pid=
 if [[ ${#dry_run[@]} -eq 0 ]]; then
-  timeout 170 python3 -m pytest -q -rf "${per_test[@]}" -p no:cacheprovider -n 3 tests/peers/test_jax_nn_attention.py \
-    >"$OUT/pytest_peers.txt" 2>&1 &
+  timeout "$correct_s" python3 -m pytest -q -rf "${per_test[@]}" -p no:cacheprovider -n 2 \
+    tests/peers/test_jax_nn_attention.py >"$OUT/pytest_peers.txt" 2>&1 &
   peers_pid=$!
 fi
-timeout 150 python3 benchmarks/attention.py --gpu-check --out "$OUT/cudnn_check.json" "${dry_run[@]}" \
-  >"$OUT/cudnn_check.txt" 2>&1
-rc=$?
-tail -n 3 "$OUT/cudnn_check.txt"
-if ((rc != 0)); then echo "cuDNN check: exit $rc"; status=1; fi
-wait $tests_pid
-rc=$?
-grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/pytest.txt" | tail -n 25
-if ((rc != 0)); then echo "tests: exit $rc"; status=1; fi
-if [[ ${#dry_run[@]} -eq 0 ]]; then
-  wait $peers_pid
-  rc=$?
-  tail -n 5 "$OUT/pytest_peers.txt"
-  if ((rc != 0)); then echo "peer tests: exit $rc"; status=1; fi
-fi
-
-echo "== the fused paths on offer, side by side (timeout 140 s)"
-if ((${#probe_wheels[@]})); then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/probe-site "${probe_wheels[@]}" \
-    || echo "probe wheels: install failed"
-fi
-PYTHONPATH=$PYTHONPATH:/tmp/probe-site timeout 140 python3 benchmarks/gpu_probe.py --budget-s 110 \
-  --out "$OUT/probe.json" "${dry_run[@]}" >"$OUT/probe.txt" 2>&1 || echo "probe: exit $?"
-sed -n '/^name /,$p' "$OUT/probe.txt"
-
-left=$((total - (SECONDS - started)))
-gpu_sh_seconds=$((left > 290 ? 290 : left))
-echo "== benchmarks/gpu.sh (${gpu_sh_seconds} s)"
-if ((gpu_sh_seconds < 60)); then
-  echo "skipped: only ${left} s left"
+check_s=$((correct_s - 5))
+timeout "$check_s" python3 benchmarks/gpu_probe.py --check pallas --out "$OUT/kernel_check.json" \
+  "${dry_run[@]}" >"$OUT/kernel_check.txt" 2>&1 || { echo "kernel check: exit $?"; status=1; }
+left=$((check_s - (SECONDS - started)))
+if ((left > 20)); then
+  timeout "$left" python3 benchmarks/attention.py --gpu-check --out "$OUT/cudnn_check.json" "${dry_run[@]}" \
+    >"$OUT/cudnn_check.txt" 2>&1 || { echo "cuDNN check: exit $?"; status=1; }
 else
-  GPU_SH_SECONDS=$gpu_sh_seconds bash benchmarks/gpu.sh "${dry_run[@]}" 2>&1 | tee "$OUT/gpu_sh.txt" \
-    | grep -E "^(==|\||wrote|error|skipped)" || true
+  echo "cuDNN check: skipped, ${left} s left"
 fi
-if [[ ${#dry_run[@]} -eq 0 ]]; then
-  cp benchmarks/results/*_gpu.json "$OUT/results/" 2>/dev/null || echo "no GPU results written"
-  cp docs/benchmarks.md "$OUT/benchmarks.md"
+wait $tests_pid || { echo "tests: exit $?"; status=1; }
+if [[ -n $peers_pid ]]; then
+  wait $peers_pid || { echo "peer tests: exit $?"; status=1; }
 fi
+
+# 2. Timings, alone on the GPU.
+if compgen -G ".probe-wheels/*.whl" >/dev/null && [[ ${#dry_run[@]} -eq 0 ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/probe-site .probe-wheels/*.whl \
+    || echo "probe wheels: install failed"
+  export PYTHONPATH=$PYTHONPATH:/tmp/probe-site
+fi
+left=$((total - 15 - (SECONDS - started)))
+probe_s=$((left * 60 / 100))
+echo "== 2. attention options timed (${probe_s} s), then the LM"
+timeout "$probe_s" python3 benchmarks/gpu_probe.py --budget-s $((probe_s - 25)) --out "$OUT/probe.json" \
+  "${dry_run[@]}" >"$OUT/probe.txt" 2>&1 || echo "probe: exit $? (its rows so far are in probe.txt)"
+left=$((total - 10 - (SECONDS - started)))
+if ((left > 30)); then
+  timeout "$left" python3 benchmarks/lm.py --gpu "${dry_run[@]}" >"$OUT/lm_gpu.txt" 2>&1 \
+    || echo "LM benchmark: exit $?"
+  cp benchmarks/results/lm_gpu.json "$OUT/lm_gpu.json" 2>/dev/null || true
+else
+  echo "LM benchmark: skipped, ${left} s left"
+fi
+
+# 3. One table.
+python3 benchmarks/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
 echo "== done in $((SECONDS - started)) s; status $status; outputs in $OUT"
 exit $status

@@ -14,6 +14,7 @@ no case starts after --budget-s.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -230,12 +231,126 @@ def run(args):
     return results
 
 
+# (name, dtype, (T, S, H, Hv), keyword arguments) of the fused kernel's check against the
+# reference path: every option the kernel claims, one at a time, at B2 N4 K2.
+KERNEL_CHECKS = [
+    ("causal", "bfloat16", (512, 512, 64, 64), dict(is_causal=True)),
+    (
+        "causal left window (128, 0)",
+        "bfloat16",
+        (512, 512, 64, 64),
+        dict(is_causal=True, local_window_size=(128, 0)),
+    ),
+    ("two-sided window (64, 64)", "bfloat16", (512, 512, 64, 64), dict(local_window_size=(64, 64))),
+    ("segments, causal", "bfloat16", (512, 512, 64, 64), dict(is_causal=True, segments=True)),
+    ("sinks, causal", "bfloat16", (512, 512, 64, 64), dict(is_causal=True, sinks=True)),
+    ("soft cap 30, causal", "bfloat16", (512, 512, 64, 64), dict(is_causal=True, logits_soft_cap=30.0)),
+    ("float32, causal", "float32", (512, 512, 64, 64), dict(is_causal=True)),
+    ("MLA widths H 128, Hv 64", "bfloat16", (512, 512, 128, 64), dict(is_causal=True)),
+    ("T < S, query offset", "bfloat16", (256, 512, 64, 64), dict(is_causal=True, query_offset=256)),
+    ("H 128, full", "bfloat16", (512, 512, 128, 128), {}),
+]
+
+
+def kernel_check_inputs(dtype_name, dims, kwargs, dry_run, seed=0):
+    T, S, H, Hv = dims
+    if dry_run:  # tiny sizes of the same kind: T < S where T < S, unequal widths where unequal
+        T, S = (16, 32) if T < S else (32, 32)
+        H, Hv = (16, 8) if H != Hv else (16, 16)
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(dtype_name)
+    query = jnp.asarray(rng.normal(size=(2, T, 4, H)), dtype)
+    key = jnp.asarray(rng.normal(size=(2, S, 2, H)), dtype)
+    value = jnp.asarray(rng.normal(size=(2, S, 2, Hv)), dtype)
+    kwargs = dict(kwargs)
+    if kwargs.get("query_offset"):
+        kwargs["query_offset"] = S - T
+    if kwargs.pop("segments", False):
+        for name, n in (("query_segment_ids", T), ("key_segment_ids", S)):
+            kwargs[name] = jnp.asarray(
+                (np.arange(n)[None, :] >= np.array([[n // 3], [2 * n // 3]])).astype(np.int32)
+            )
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    if dry_run and "local_window_size" in kwargs:
+        kwargs["local_window_size"] = tuple(min(w, 5) for w in kwargs["local_window_size"])
+    return (query, key, value), kwargs
+
+
+def check_kernel_case(kernel, name, dtype_name, dims, kwargs, dry_run):
+    """Outputs and gradients (query, key, value, and sinks where given) of `kernel` against the
+    reference path on the same inputs, as errors relative to the reference's largest entry."""
+    (query, key, value), kwargs = kernel_check_inputs(dtype_name, dims, kwargs, dry_run)
+    sinks = kwargs.pop("sinks", None)
+
+    def run(implementation, q, k, v, sinks):
+        def loss(q, k, v, sinks):
+            extra = {} if sinks is None else {"sinks": sinks}
+            out = qkv_jax.dot_product_attention(q, k, v, implementation=implementation, **kwargs, **extra)
+            weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+            return jnp.sum(out.astype(jnp.float32) * weights), out
+
+        argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+        return jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q, k, v, sinks)
+
+    (_, out), grads = jax.jit(functools.partial(run, kernel))(query, key, value, sinks)
+    (_, want), want_grads = jax.jit(functools.partial(run, "reference"))(query, key, value, sinks)
+
+    def error(got, expected):
+        got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+        if not np.isfinite(got).all():
+            return float("inf")
+        return float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-6))
+
+    tolerance = 2e-2 if dtype_name == "bfloat16" else 2e-3
+    errors = dict(
+        output=error(out, want),
+        **{f"d{n}": error(g, e) for n, g, e in zip("qkvs", grads, want_grads, strict=False)},
+    )
+    return dict(
+        case=name, dtype=dtype_name, errors=errors, tolerance=tolerance, ok=max(errors.values()) <= tolerance
+    )
+
+
+def check_kernel(args):
+    """`--check KERNEL`: every KERNEL_CHECKS case; writes the record the dispatch rule reads."""
+    jax.config.update("jax_default_matmul_precision", "highest")  # the reference in float32 proper
+    rows = []
+    for name, dtype_name, dims, kwargs in KERNEL_CHECKS:
+        try:
+            row = check_kernel_case(args.check, name, dtype_name, dims, kwargs, args.dry_run)
+        except Exception as error:  # noqa: BLE001 - every case is reported, then the verdict
+            row = dict(
+                case=name, ok=False, error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            )
+        rows.append(row)
+        print(("PASS " if row["ok"] else "FAIL ") + json.dumps(row), flush=True)
+    record = dict(
+        kernel=args.check,
+        jax=jax.__version__,
+        device=str(jax.devices()[0].device_kind),
+        platform=jax.default_backend(),
+        date=time.strftime("%Y-%m-%d"),
+        ok=all(row["ok"] for row in rows),
+        cases=rows,
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{sum(r['ok'] for r in rows)} of {len(rows)} {args.check} cases match the reference")
+    return record
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check", metavar="KERNEL", help="check KERNEL (an implementation) against the reference"
+    )
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
+    if args.check:
+        raise SystemExit(0 if check_kernel(args)["ok"] else 1)
     rows = run(args)
     meta = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d"))
     if args.out:
