@@ -31,6 +31,10 @@ elif [[ $# -gt 0 ]]; then
   exit 2
 fi
 OUT=${OUT:-$PWD/gpu_check_out}
+# The logs go to $OUT/logs, packed into $OUT/logs.tar.gz at the end beside summary.md (the
+# device tool brings back at most 8 files).
+final_out=$OUT
+OUT=$final_out/logs
 mkdir -p "$OUT"
 started=$SECONDS
 total=${GPU_CHECK_SECONDS:-470}
@@ -105,6 +109,11 @@ else
 fi
 
 # 3. One table.
-python3 benchmarks/gpu_summary.py "$OUT" | tee "$OUT/summary.md"
-echo "== done in $((SECONDS - started)) s; status $status; outputs in $OUT"
+write=(--write)
+((${#dry_run[@]})) && write=()
+python3 benchmarks/gpu_summary.py "$OUT" "${write[@]}" | tee "$OUT/summary.md"
+cp "$OUT/summary.md" "$final_out/summary.md"
+cp benchmarks/results/gpu_check_gpu.json "$final_out/" 2>/dev/null || true
+tar -czf "$final_out/logs.tar.gz" -C "$final_out" logs && rm -rf "$OUT"
+echo "== done in $((SECONDS - started)) s; status $status; outputs in $final_out"
 exit $status

@@ -2,7 +2,8 @@
 every attention option's time against cuDNN's plain causal time and the peers' for that option.
 Reads only what the check wrote; a step cut off at its limit shows what it had done.
 
-    python benchmarks/gpu_summary.py OUT_DIR     # prints Markdown (gpu_check.sh saves it)
+    python benchmarks/gpu_summary.py OUT_DIR [--write]   # prints Markdown; --write also writes
+                                                         # benchmarks/results/gpu_check_gpu.json
 """
 
 from __future__ import annotations
@@ -74,26 +75,65 @@ def timing_table(path: Path) -> list[str]:
     return lines
 
 
-def main(out: Path) -> None:
-    print("| step | result | failures |")
-    print("|---|---|---|")
-    print(tests_row(out / "pytest.txt", "fast tier on the GPU"))
-    print(tests_row(out / "pytest_peers.txt", "jax.nn's attention tests"))
-    print(check_row(out / "kernel_check.txt", "Pallas kernel vs reference"))
-    print(check_row(out / "cudnn_check.txt", "cuDNN cases vs reference"))
-    print()
-    print("\n".join(timing_table(out / "probe.txt")))
+def ratios(path: Path) -> dict[str, float]:
+    """Each path's forward + backward time over cuDNN's plain causal time and over flex_attention's
+    for the same option, by `path/option/dtype`."""
+    rows = [row for row in _json_lines(path) if "train_ms" in row]
+    by = {(row["name"], row["option"], row["dtype"]): row["train_ms"] for row in rows}
+    cudnn = by.get(("jax.nn[cudnn]", "causal", "bfloat16"))
+    result = {}
+    for (name, option, dtype), ms in by.items():
+        if cudnn:
+            result[f"{name}/{option}/{dtype}/over_cudnn_plain_causal"] = ms / cudnn
+        flex = by.get(("torch.flex_attention(compiled)", option, dtype))
+        if flex and not name.startswith("torch"):
+            result[f"{name}/{option}/{dtype}/over_flex"] = ms / flex
+    return result
+
+
+def summary(out: Path) -> list[str]:
+    lines = [
+        "| step | result | failures |",
+        "|---|---|---|",
+        tests_row(out / "pytest.txt", "fast tier on the GPU"),
+        tests_row(out / "pytest_peers.txt", "jax.nn's attention tests"),
+        check_row(out / "kernel_check.txt", "Pallas kernel vs reference"),
+        check_row(out / "cudnn_check.txt", "cuDNN cases vs reference"),
+        "",
+        "Attention at B4 T4096 N16 H128 (float32: H64), ms per call, forward and forward plus backward:",
+        "",
+        *timing_table(out / "probe.txt"),
+    ]
     lm = out / "lm_gpu.txt"
     if lm.exists():
-        print()
-        print("\n".join(line for line in lm.read_text().splitlines() if line.startswith(("|", "Device"))))
-    environment = out / "environment.txt"
-    if environment.exists():
-        print()
-        print("Environment: " + "; ".join(environment.read_text().splitlines()[-3:]))
+        lines += ["", *(line for line in lm.read_text().splitlines() if line.startswith(("|", "Device")))]
+    return lines
+
+
+def main(out: Path, write: bool) -> None:
+    lines = summary(out)
+    print("\n".join(lines))
+    if write:  # benchmarks/results/gpu_check_gpu.json, for docs/benchmarks.md's GPU section
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import jax
+
+        from benchmarks.common import write_results
+
+        path = write_results(
+            "gpu_check_gpu",
+            "bash benchmarks/gpu_check.sh",
+            {
+                "title": "The GPU check (benchmarks/gpu_check.sh)",
+                "device": str(jax.devices()[0].device_kind),
+                "table": lines,
+                "ratios": ratios(out / "probe.txt"),
+            },
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        raise SystemExit("usage: python benchmarks/gpu_summary.py OUT_DIR")
-    main(Path(sys.argv[1]))
+    arguments = [a for a in sys.argv[1:] if a != "--write"]
+    if len(arguments) != 1 or not Path(arguments[0]).is_dir():
+        raise SystemExit("usage: python benchmarks/gpu_summary.py OUT_DIR [--write]")
+    main(Path(arguments[0]), "--write" in sys.argv)

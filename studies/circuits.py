@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.special import xlogy
 
 from qkv_jax.interpretability.capture import run_with_cache
 from qkv_jax.interpretability.circuits import (
@@ -428,12 +427,17 @@ def pattern_divergence(weights: jax.Array) -> jax.Array:
     rows: weights `[B, N, T, S]` (rows summing to 1) -> `[N, N]`, symmetric, zero diagonal,
     each entry in [0, ln 2], averaged over the B x T rows."""
     rows = jnp.swapaxes(jnp.asarray(weights, jnp.float32), 0, 1)  # (N, B, T, S)
-    entropy = lambda p: -jnp.sum(xlogy(p, p), axis=-1)  # (..., S) -> (...)
-    own = entropy(rows)  # (N, B, T)
+
+    def relative_entropy(p: jax.Array, m: jax.Array) -> jax.Array:  # sum p log(p / m) over S
+        # Term by term rather than as entropies' difference: no cancellation, and exactly 0 for
+        # a head against itself (m = p, so each log is log 1), whatever order XLA sums in.
+        positive = p > 0  # m >= p / 2 > 0 there
+        ratio = jnp.where(positive, p, 1.0) / jnp.where(positive, m, 1.0)
+        return jnp.sum(jnp.where(positive, p * jnp.log(ratio), 0.0), axis=-1)
 
     def against_every_head(head: jax.Array) -> jax.Array:  # (B, T, S) -> (N,)
         mixture = 0.5 * (head[None] + rows)  # (N, B, T, S)
-        divergence = entropy(mixture) - 0.5 * (entropy(head)[None] + own)  # (N, B, T)
+        divergence = 0.5 * (relative_entropy(head[None], mixture) + relative_entropy(rows, mixture))
         return jnp.maximum(divergence, 0.0).mean(axis=(1, 2))
 
     return lax.map(against_every_head, rows)  # (N, N)
