@@ -1363,8 +1363,10 @@ def check_one(case: CheckCase, on_gpu: bool) -> dict:
             float(np.max(np.abs(g - e)) / max(np.max(np.abs(e)), 1e-3)) if np.isfinite(g).all() else np.inf
         )
     result["gradient_errors"] = errors
+    # An explicit case is asked for as implementation="cudnn": whether the rule already sends it
+    # there follows from the record of earlier checks (qkv_jax/attention/gpu_checked.py).
     result["ok"] = (
-        (rule != "cudnn" if case.explicit else rule == "cudnn")
+        (case.explicit or rule == "cudnn")
         and (result["cudnn_in_program"] or not on_gpu)
         and result["output_error"] <= out_tol
         and result["output_nan_pattern_ok"]
@@ -1393,7 +1395,14 @@ def gpu_check_main(args) -> None:
         results.append(result)
         print(("PASS " if result["ok"] else "FAIL ") + json.dumps(result), flush=True)
     failed = [r["case"] for r in results if not r["ok"]]
-    summary = {"device": str(jax.devices()[0]), "cases": len(results), "failed": failed, "results": results}
+    summary = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "cases": len(results),
+        "failed": failed,
+        "results": results,
+    }
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(

@@ -4,6 +4,8 @@ Reads only what the check wrote; a step cut off at its limit shows what it had d
 
     python benchmarks/gpu_summary.py OUT_DIR [--write]   # prints Markdown; --write also writes
                                                          # benchmarks/results/gpu_check_gpu.json
+    python benchmarks/gpu_summary.py OUT_DIR --record    # qkv_jax/attention/gpu_checked.py from
+                                                         # the checks' logs (the dispatch reads it)
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def tests_row(path: Path, name: str) -> str:
         result = final[-1]
     else:
         done = len(re.findall(r"\b(?:PASSED|FAILED|SKIPPED|ERROR) tests/", text))
-        result = f"cut off at its limit after {done} tests"
+        last = (text.strip().splitlines() or ["an empty log"])[-1][:200]
+        result = f"cut off at its limit after {done} tests" if done else f"did not run: {last}"
     return f"| {name} | {result} | {', '.join(failed) or '-'} |"
 
 
@@ -132,8 +135,44 @@ def main(out: Path, write: bool) -> None:
         print(f"wrote {path}")
 
 
+RECORD = Path(__file__).resolve().parents[1] / "qkv_jax" / "attention" / "gpu_checked.py"
+
+
+def record(out: Path) -> dict:
+    """What each check showed, by kernel: its passed and failed case names, and the jax version,
+    device and date of the run (from the check's own JSON), for the dispatch rule."""
+    checked = {}
+    for kernel, name in (("cudnn", "cudnn_check"), ("pallas", "kernel_check")):
+        rows = _json_lines(out / f"{name}.txt", "PASS ") + _json_lines(out / f"{name}.txt", "FAIL ")
+        if not rows:
+            continue
+        meta = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
+        environment = (out / "environment.txt").read_text() if (out / "environment.txt").exists() else ""
+        jax_version = re.search(r"^jax (\S+)", environment, re.MULTILINE)
+        checked[kernel] = {
+            "jax": jax_version[1] if jax_version else meta.get("jax", "unknown"),
+            "device": meta.get("device", "unknown"),
+            "date": meta.get("date", "unknown"),
+            "passed": sorted(row["case"] for row in rows if row["ok"]),
+            "failed": sorted(row["case"] for row in rows if not row["ok"]),
+        }
+    return checked
+
+
+def write_record(out: Path) -> None:
+    text = RECORD.read_text()
+    head = text[: text.index("CHECKED: dict[str, dict] = ")]
+    body = json.dumps(record(out), indent=4, sort_keys=True)
+    RECORD.write_text(f"{head}CHECKED: dict[str, dict] = {body}\n")
+    print(f"wrote {RECORD}")
+
+
 if __name__ == "__main__":
-    arguments = [a for a in sys.argv[1:] if a != "--write"]
+    flags = {"--write", "--record"}
+    arguments = [a for a in sys.argv[1:] if a not in flags]
     if len(arguments) != 1 or not Path(arguments[0]).is_dir():
-        raise SystemExit("usage: python benchmarks/gpu_summary.py OUT_DIR [--write]")
-    main(Path(arguments[0]), "--write" in sys.argv)
+        raise SystemExit("usage: python benchmarks/gpu_summary.py OUT_DIR [--write] [--record]")
+    if "--record" in sys.argv:
+        write_record(Path(arguments[0]))
+    else:
+        main(Path(arguments[0]), "--write" in sys.argv)

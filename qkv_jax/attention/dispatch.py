@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qkv_jax.attention.gpu_checked import CHECKED
 from qkv_jax.attention.jax_nn import cudnn_applies
 from qkv_jax.attention.options import CallOptions, check_soft_cap
 from qkv_jax.attention.visibility import is_int, window_pair
@@ -56,10 +57,29 @@ SUPPORTED: dict[str, frozenset[str]] = {
     "xla": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
     "cudnn": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
 }
-# Supported on "cudnn", but not chosen for it automatically: that cuDNN's window and its
-# top-left alignment for T != S mean the same as here is checked on a GPU by
-# benchmarks/gpu_check.sh, to be run before the rule sends them there.
-_NOT_YET_AUTOMATIC_ON_CUDNN = frozenset(("local_window_size", "query_segment_ids", "key_segment_ids"))
+# Supported on "cudnn", but chosen for it automatically only once benchmarks/gpu_check.sh has
+# shown on a GPU that cuDNN's window and its top-left alignment for T != S (cases named
+# "window"), and segment ids as a bias (cases named "segments"), mean the same as here: the
+# record `qkv_jax.attention.gpu_checked.CHECKED` says which passed.
+_CUDNN_CHECK_CASES = {
+    "local_window_size": "window",
+    "query_segment_ids": "segments",
+    "key_segment_ids": "segments",
+}
+
+
+def _cudnn_unchecked() -> frozenset[str]:
+    """The features of `_CUDNN_CHECK_CASES` whose GPU check cases have not all passed."""
+    record = CHECKED.get("cudnn", {})
+    passed, failed = set(record.get("passed", ())), set(record.get("failed", ()))
+    return frozenset(
+        feature
+        for feature, word in _CUDNN_CHECK_CASES.items()
+        if not any(word in case for case in passed) or any(word in case for case in failed)
+    )
+
+
+_NOT_YET_AUTOMATIC_ON_CUDNN = _cudnn_unchecked()
 # On CPU, from this many keys on, "chunked"; below, "reference" (forward-mode differentiable).
 CHUNKED_MIN_KEYS = 64
 # On an accelerator a materialised path ("xla", else "reference") takes a call whose

@@ -428,3 +428,18 @@ def test_the_finite_case_runs_jax_nn_alone_after_one_check():
         functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
     )
     assert primitives(fast.jaxpr) == primitives(theirs(query, key, key).jaxpr)
+
+
+def test_windows_and_segments_reach_cudnn_only_once_a_gpu_check_passed_them(monkeypatch):
+    """The rule reads benchmarks/gpu_check.sh's record (qkv_jax/attention/gpu_checked.py): a
+    feature whose cuDNN cases all passed there goes to cuDNN; one with a failed case, or none
+    run, stays away."""
+    from qkv_jax.attention import dispatch
+
+    record = {"cudnn": {"passed": ["causal window (w, 0)", "mask [T, S], causal"], "failed": []}}
+    monkeypatch.setattr(dispatch, "CHECKED", record)
+    assert dispatch._cudnn_unchecked() == {"query_segment_ids", "key_segment_ids"}
+    record["cudnn"]["failed"] = ["window (w, w): a bias"]
+    assert dispatch._cudnn_unchecked() == {"local_window_size", "query_segment_ids", "key_segment_ids"}
+    monkeypatch.setattr(dispatch, "CHECKED", {})
+    assert dispatch._cudnn_unchecked() == set(dispatch._CUDNN_CHECK_CASES)
