@@ -34,12 +34,19 @@ def tests_row(path: Path, name: str) -> str:
     if not path.exists():
         return f"| {name} | not run | |"
     text = path.read_text()
-    failed = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", text)))
+    # pytest -v names a test before its outcome, and under xdist after it.
+    failed = sorted(
+        set(
+            re.findall(r"(?:FAILED|ERROR) (tests/\S+)", text)
+            + re.findall(r"(tests/\S+) (?:FAILED|ERROR)", text)
+        )
+    )
     final = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", text, re.MULTILINE)
     if final:
         result = final[-1]
     else:
-        done = len(re.findall(r"\b(?:PASSED|FAILED|SKIPPED|ERROR) tests/", text))
+        outcome = r"(?:PASSED|FAILED|SKIPPED|ERROR)"
+        done = len(re.findall(rf"{outcome} tests/|tests/\S+ {outcome}", text))
         last = (text.strip().splitlines() or ["an empty log"])[-1][:200]
         result = f"cut off at its limit after {done} tests" if done else f"did not run: {last}"
     return f"| {name} | {result} | {', '.join(failed) or '-'} |"
