@@ -34,19 +34,18 @@ def tests_row(path: Path, name: str) -> str:
     if not path.exists():
         return f"| {name} | not run | |"
     text = path.read_text()
-    # pytest -v names a test before its outcome, and under xdist after it.
+    # pytest -v names a test before its outcome, and under xdist after it (ids may hold spaces).
+    after = re.findall(r"(?:PASSED|FAILED|SKIPPED|ERROR) (tests/.+?)\s*$", text, re.MULTILINE)
+    before = re.findall(r"^(tests/.+?) (?:PASSED|FAILED|SKIPPED|ERROR)\b", text, re.MULTILINE)
     failed = sorted(
-        set(
-            re.findall(r"(?:FAILED|ERROR) (tests/\S+)", text)
-            + re.findall(r"(tests/\S+) (?:FAILED|ERROR)", text)
-        )
+        set(re.findall(r"(?:FAILED|ERROR) (tests/.+?)\s*$", text, re.MULTILINE))
+        | set(re.findall(r"^(tests/.+?) (?:FAILED|ERROR)\b", text, re.MULTILINE))
     )
     final = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", text, re.MULTILINE)
     if final:
         result = final[-1]
     else:
-        outcome = r"(?:PASSED|FAILED|SKIPPED|ERROR)"
-        done = len(re.findall(rf"{outcome} tests/|tests/\S+ {outcome}", text))
+        done = len(after) + len(before)
         last = (text.strip().splitlines() or ["an empty log"])[-1][:200]
         result = f"cut off at its limit after {done} tests" if done else f"did not run: {last}"
     return f"| {name} | {result} | {', '.join(failed) or '-'} |"
