@@ -1,0 +1,640 @@
+"""Fused attention as Pallas kernels: forward and backward, memory linear in T.
+
+`pallas_attention` computes `softmax(Q K^T * scale, masked) V` as three
+`pl.pallas_call`s written in Pallas' generic API (a grid, `BlockSpec`s, a
+`lax.fori_loop` over blocks): on a GPU they lower through Triton, elsewhere
+they run in Pallas' interpret mode (how the tests run them on a CPU).
+
+- The forward kernel, one program per (query block, example, query head),
+  loops over the key blocks the block can reach, keeping a running row
+  maximum, normaliser and output accumulator (an online softmax), and writes
+  the output and each row's log-sum-exp (lse).
+- The backward pass recomputes each tile's weights `P = exp(logits - lse)`
+  from the saved lse and `D = rowsum(dO * O) - dlse` (the lse's own
+  cotangent enters here: d lse / d logits = P). One kernel per (key block,
+  example, query head) loops over query blocks for dK and dV; one per
+  (query block, example, query head) loops over key blocks for dQ. With
+  grouped kv heads the dK and dV of a group's query heads are summed after
+  the kernel.
+
+Which keys a query sees is decided inside the kernels from the rules of
+`qkv_jax.attention.visibility`: the causal triangle and a window (left, right)
+both relative to query t's key position `t + query_offset`, segment ids and
+sequence lengths. The loops run only over the blocks the causal triangle, the
+window and the lengths leave within reach (where a window's speed comes
+from); inside a block the rules mask. A soft cap `c * tanh(logits / c)` is
+applied before masking and its slope recomputed backward; sinks act after the
+kernel, `output * sigmoid(lse - sink)`, so they are differentiable through
+plain JAX.
+
+Layout as `dot_product_attention`'s, with the batch dims flattened to B: query
+`[B, T, N, H]`, key `[B, S, K, H]`, value `[B, S, K, Hv]`; a block reads one
+head's `[block, H]` straight from that layout. T and S are padded to whole
+blocks and H, Hv to a power of two of at least 16 (Triton's sizes); padded
+keys are masked and padded rows dropped. Dots take float32 accumulators; on a
+GPU float32 operands run in IEEE float32 (`lax.Precision.HIGHEST`, which the
+Triton lowering maps to `InputPrecision.IEEE`, never TF32), bf16/fp16 ones as
+they are, with the weights cast to the value's dtype for `P V`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from qkv_jax.attention.chunked import per_example
+from qkv_jax.attention.options import check_soft_cap, is_number
+from qkv_jax.attention.visibility import window_pair
+
+try:  # the Triton backend's parameters; its name has moved between jax versions
+    from jax.experimental.pallas import triton as _triton
+
+    _TRITON_PARAMS: Any = getattr(_triton, "CompilerParams", None) or getattr(
+        _triton, "TritonCompilerParams", None
+    )
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+    _TRITON_PARAMS = None
+
+Array = jax.Array
+
+__all__ = ["pallas_attention", "BlockSizes", "default_block_sizes"]
+
+_DOT_PRECISION = lax.Precision.HIGHEST  # IEEE float32 on Triton for float32 operands
+
+
+class BlockSizes(NamedTuple):
+    """Rows and keys per tile: forward `(block_q, block_k)`, backward `(backward_q, backward_k)`.
+    Powers of two, at least 16 on a GPU (Triton's dot)."""
+
+    block_q: int
+    block_k: int
+    backward_q: int
+    backward_k: int
+
+
+def _power_of_two_above(n: int, least: int) -> int:
+    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def default_block_sizes(T: int, S: int, head_dim: int, dtype: Any, *, interpret: bool) -> BlockSizes:
+    """The tiles for T queries and S keys of (padded) width `head_dim` in `dtype`.
+
+    In interpret mode (a CPU) a quarter of the length, from 8 to 64, so that
+    tiny shapes still have several blocks. On a GPU conservative Triton tiles:
+    forward 128 x 64 up to 128 wide in 16-bit (64 x 32 in float32 or wider),
+    backward 32 x 64 (32 x 32); never above the padded length, never below 16.
+    """
+    if interpret:
+        q, k = (min(64, max(8, _power_of_two_above(n, 1) // 4)) for n in (T, S))
+        return BlockSizes(q, k, q, k)
+    wide = head_dim > 128 or jnp.dtype(dtype).itemsize > 2
+    forward = (64, 32) if wide else (128, 64)
+    backward = (32, 32) if wide else (32, 64)
+    q_cap, k_cap = _power_of_two_above(T, 16), _power_of_two_above(S, 16)
+    return BlockSizes(
+        min(forward[0], q_cap), min(forward[1], k_cap), min(backward[0], q_cap), min(backward[1], k_cap)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The static facts of one call (hashable: the custom VJP's non-differentiable argument)."""
+
+    T: int  # real lengths (the arrays are padded past them)
+    S: int
+    G: int  # query heads per kv head
+    blocks: BlockSizes
+    scale: float
+    is_causal: bool
+    window: tuple[int, int] | None
+    soft_cap: float | None
+    segments: bool
+    query_lengths: bool  # rows at or past a query length see nothing
+    limit_keys: bool  # keys at or past the key length (S, or the lengths) are masked
+    interpret: bool
+    num_warps: int
+    num_stages: int
+
+
+class _Limits(NamedTuple):
+    """One example's scalars, read from its row of the table: offset, query and key lengths."""
+
+    offset: Array
+    query_length: Array
+    key_length: Array
+
+
+def _limits(table_ref) -> _Limits:
+    return _Limits(table_ref[0], table_ref[1], table_ref[2])
+
+
+def _iota(n: int) -> Array:
+    return lax.iota(jnp.int32, n)
+
+
+def _ceil_div(x: Array, n: int) -> Array:
+    """ceil(x / n) for x >= 0 (lax.div truncates, as Triton's integer division does)."""
+    return lax.div(x + (n - 1), jnp.int32(n))
+
+
+def _key_blocks(config: _Config, i: Array, limits: _Limits, block_q: int, block_k: int):
+    """Key blocks `[lo, hi)` that query block i (rows `i * block_q` on) may reach."""
+    first_row = i * block_q
+    last_row = first_row + (block_q - 1)
+    first_key, last_key = jnp.int32(0), limits.key_length - 1
+    if config.is_causal:
+        last_key = jnp.minimum(last_key, last_row + limits.offset)
+    if config.window is not None:
+        left, right = config.window
+        first_key = jnp.maximum(first_key, first_row + limits.offset - left)
+        last_key = jnp.minimum(last_key, last_row + limits.offset + right)
+    if config.query_lengths:
+        last_key = jnp.where(first_row < limits.query_length, last_key, -1)
+    lo = lax.div(first_key, jnp.int32(block_k))
+    hi = _ceil_div(jnp.maximum(last_key + 1, 0), block_k)
+    return lo, jnp.maximum(lo, hi)
+
+
+def _query_blocks(config: _Config, j: Array, limits: _Limits, block_q: int, block_k: int):
+    """Query blocks `[lo, hi)` that may reach key block j (keys `j * block_k` on)."""
+    first_key = j * block_k
+    last_key = first_key + (block_k - 1)
+    first_row, last_row = jnp.int32(0), limits.query_length - 1
+    if config.is_causal:
+        first_row = jnp.maximum(first_row, first_key - limits.offset)
+    if config.window is not None:
+        left, right = config.window
+        first_row = jnp.maximum(first_row, first_key - limits.offset - right)
+        last_row = jnp.minimum(last_row, last_key - limits.offset + left)
+    last_row = jnp.where(first_key < limits.key_length, last_row, -1)
+    lo = lax.div(first_row, jnp.int32(block_q))
+    hi = _ceil_div(jnp.maximum(last_row + 1, 0), block_q)
+    return lo, jnp.maximum(lo, hi)
+
+
+def _allowed(config: _Config, rows, keys, limits: _Limits, row_ids, key_ids) -> Array | None:
+    """Which (row, key) pairs of a tile may attend, broadcastable to `[bq, bk]` (None: all).
+    `rows` `(bq,)` and `keys` `(bk,)` are positions, `row_ids`/`key_ids` their segment ids."""
+    rows, keys = rows[:, None], keys[None, :]  # (bq, 1), (1, bk)
+    masks = []
+    at = rows + limits.offset  # each row's key position
+    if config.is_causal:
+        masks.append(keys <= at)
+    if config.window is not None:
+        left, right = config.window
+        masks += [keys >= at - left, keys <= at + right]
+    if config.limit_keys:
+        masks.append(keys < limits.key_length)
+    if config.query_lengths:
+        masks.append(rows < limits.query_length)
+    if config.segments:
+        masks.append(row_ids[:, None] == key_ids[None, :])
+    if not masks:
+        return None
+    return functools.reduce(jnp.logical_and, masks)
+
+
+def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
+    """2-D `a . b` contracting axis `contract[0]` of a with `contract[1]` of b, in float32."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=_DOT_PRECISION, preferred_element_type=jnp.float32)
+
+
+def _tile_logits(config: _Config, query, key, allowed):
+    """Scaled, soft-capped, masked logits `[bq, bk]` (-inf where not allowed) of query `[bq, H]`
+    and key `[bk, H]`, and the soft cap's slope (0 where masked; None without a cap)."""
+    logits = _dot(query, key, (1, 1)) * config.scale  # (bq, bk)
+    slope = None
+    if config.soft_cap is not None:
+        capped = jnp.tanh(logits / config.soft_cap)
+        logits, slope = config.soft_cap * capped, 1.0 - capped * capped
+    if allowed is None:
+        return logits, slope
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    return logits, None if slope is None else jnp.where(allowed, slope, 0.0)
+
+
+def _forward_kernel(table_ref, q_ref, k_ref, v_ref, row_ids_ref, key_ids_ref, out_ref, lse_ref, *, config):
+    """One query block of one head: the online softmax over the key blocks it reaches.
+
+    q_ref `[bq, H]`, k_ref `[S, H]`, v_ref `[S, Hv]`, out_ref `[bq, Hv]`, lse_ref `[bq]`;
+    the segment-id refs `[bq]` and `[S]` (None without segments)."""
+    block_q, block_k = config.blocks.block_q, config.blocks.block_k
+    i = pl.program_id(0)
+    limits = _limits(table_ref)
+    query = q_ref[...]  # (bq, H)
+    rows = i * block_q + _iota(block_q)
+    row_ids = None if row_ids_ref is None else row_ids_ref[...]
+
+    def key_step(j, carry):
+        row_max, normaliser, accumulator = carry
+        start = pl.multiple_of(j * block_k, block_k)
+        key_ids = None if key_ids_ref is None else key_ids_ref[pl.ds(start, block_k)]
+        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
+        logits, _ = _tile_logits(config, query, k_ref[pl.ds(start, block_k), :], allowed)  # (bq, bk)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))  # (bq,)
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite for rows with nothing yet
+        weights = jnp.exp(logits - shift[:, None])  # (bq, bk)
+        rescale = jnp.exp(row_max - shift)  # (bq,)
+        value = v_ref[pl.ds(start, block_k), :]  # (bk, Hv)
+        blended = _dot(weights.astype(value.dtype), value, (1, 0))  # (bq, Hv)
+        return (
+            new_max,
+            normaliser * rescale + jnp.sum(weights, axis=1),
+            accumulator * rescale[:, None] + blended,
+        )
+
+    lo, hi = _key_blocks(config, i, limits, block_q, block_k)
+    init = (
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+        jnp.zeros((block_q, out_ref.shape[-1]), jnp.float32),
+    )
+    row_max, normaliser, accumulator = lax.fori_loop(lo, hi, key_step, init)
+    has_mass = normaliser > 0
+    out_ref[...] = (accumulator / jnp.where(has_mass, normaliser, 1.0)[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, normaliser, 1.0)), -jnp.inf)
+
+
+def _logits_grad(config: _Config, query, key, value, out_grad, lse, delta, allowed):
+    """A tile's weights `P` `[bq, bk]` and the gradient of its scaled logits (through the soft
+    cap): `dS = P * (dO V^T - D)`, with `lse` finite (0 for rows that attend nothing)."""
+    logits, slope = _tile_logits(config, query, key, allowed)
+    weights = jnp.exp(logits - lse[:, None])  # (bq, bk)
+    weights_grad = _dot(out_grad, value, (1, 1))  # (bq, bk)
+    logits_grad = weights * (weights_grad - delta[:, None])
+    if slope is not None:
+        logits_grad = logits_grad * slope
+    return weights, logits_grad
+
+
+def _key_grads_kernel(
+    table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    row_ids_ref,
+    key_ids_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    config,
+):
+    """dK and dV of one key block for one query head, over the query blocks that reach it.
+
+    q_ref `[T, H]`, do_ref `[T, Hv]`, lse_ref and delta_ref `[T]` (whole); k_ref `[bk, H]`,
+    v_ref `[bk, Hv]`, dk_ref and dv_ref alike; segment ids `[T]` and `[bk]`."""
+    block_q, block_k = config.blocks.backward_q, config.blocks.backward_k
+    j = pl.program_id(0)
+    limits = _limits(table_ref)
+    key, value = k_ref[...], v_ref[...]  # (bk, H), (bk, Hv)
+    keys = j * block_k + _iota(block_k)
+    key_ids = None if key_ids_ref is None else key_ids_ref[...]
+
+    def query_step(i, carry):
+        key_grad, value_grad = carry
+        start = pl.multiple_of(i * block_q, block_q)
+        rows = pl.ds(start, block_q)
+        row_ids = None if row_ids_ref is None else row_ids_ref[rows]
+        allowed = _allowed(config, start + _iota(block_q), keys, limits, row_ids, key_ids)
+        query, out_grad = q_ref[rows, :], do_ref[rows, :]  # (bq, H), (bq, Hv)
+        weights, logits_grad = _logits_grad(
+            config, query, key, value, out_grad, lse_ref[rows], delta_ref[rows], allowed
+        )
+        value_grad += _dot(weights.astype(out_grad.dtype), out_grad, (0, 0))  # (bk, Hv)
+        key_grad += _dot(logits_grad.astype(query.dtype), query, (0, 0))  # (bk, H)
+        return key_grad, value_grad
+
+    lo, hi = _query_blocks(config, j, limits, block_q, block_k)
+    init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    key_grad, value_grad = lax.fori_loop(lo, hi, query_step, init)
+    dk_ref[...] = (key_grad * config.scale).astype(dk_ref.dtype)
+    dv_ref[...] = value_grad.astype(dv_ref.dtype)
+
+
+def _query_grad_kernel(
+    table_ref, q_ref, k_ref, v_ref, row_ids_ref, key_ids_ref, do_ref, lse_ref, delta_ref, dq_ref, *, config
+):
+    """dQ of one query block of one head, over the key blocks it reaches.
+
+    q_ref and dq_ref `[bq, H]`, do_ref `[bq, Hv]`, lse_ref and delta_ref `[bq]`; k_ref
+    `[S, H]` and v_ref `[S, Hv]` (whole); segment ids `[bq]` and `[S]`."""
+    block_q, block_k = config.blocks.backward_q, config.blocks.backward_k
+    i = pl.program_id(0)
+    limits = _limits(table_ref)
+    query, out_grad = q_ref[...], do_ref[...]  # (bq, H), (bq, Hv)
+    lse, delta = lse_ref[...], delta_ref[...]  # (bq,)
+    rows = i * block_q + _iota(block_q)
+    row_ids = None if row_ids_ref is None else row_ids_ref[...]
+
+    def key_step(j, query_grad):
+        start = pl.multiple_of(j * block_k, block_k)
+        span = pl.ds(start, block_k)
+        key_ids = None if key_ids_ref is None else key_ids_ref[span]
+        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
+        key = k_ref[span, :]  # (bk, H)
+        _, logits_grad = _logits_grad(config, query, key, v_ref[span, :], out_grad, lse, delta, allowed)
+        return query_grad + _dot(logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
+
+    lo, hi = _key_blocks(config, i, limits, block_q, block_k)
+    query_grad = lax.fori_loop(lo, hi, key_step, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (query_grad * config.scale).astype(dq_ref.dtype)
+
+
+def _compiler_params(config: _Config) -> Any:
+    """Triton's launch parameters on a GPU; None in interpret mode."""
+    if config.interpret:
+        return None
+    if _TRITON_PARAMS is None:
+        raise ValueError(
+            "pallas_attention: this jax has no Pallas Triton backend (jax.experimental.pallas.triton); "
+            "use another implementation"
+        )
+    return _TRITON_PARAMS(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool, block: int) -> list:
+    """BlockSpecs of (table, q, k, v, row ids, key ids, dO, lse, delta) for a grid
+    `(blocks, B, N)` whose first axis runs over query blocks of `block` rows (`along_queries`;
+    keys whole) or key blocks of `block` keys (queries whole). `shape`: (Tp, Sp, H, Hv)."""
+    T, S, H, Hv = shape
+    G = np.int32(config.G)
+    rows, keys = (block, S) if along_queries else (T, block)
+
+    def at_rows(blk):
+        return blk if along_queries else 0
+
+    def at_keys(blk):
+        return 0 if along_queries else blk
+
+    segment_specs: list[Any] = [None, None]
+    if config.segments:
+        segment_specs = [
+            pl.BlockSpec((None, rows), lambda blk, b, n: (b, at_rows(blk))),
+            pl.BlockSpec((None, keys), lambda blk, b, n: (b, at_keys(blk))),
+        ]
+    return [
+        pl.BlockSpec((None, 4), lambda blk, b, n: (b, 0)),
+        pl.BlockSpec((None, rows, None, H), lambda blk, b, n: (b, at_rows(blk), n, 0)),
+        pl.BlockSpec((None, keys, None, H), lambda blk, b, n: (b, at_keys(blk), lax.div(n, G), 0)),
+        pl.BlockSpec((None, keys, None, Hv), lambda blk, b, n: (b, at_keys(blk), lax.div(n, G), 0)),
+        *segment_specs,
+        pl.BlockSpec((None, rows, None, Hv), lambda blk, b, n: (b, at_rows(blk), n, 0)),
+        pl.BlockSpec((None, None, rows), lambda blk, b, n: (b, n, at_rows(blk))),
+        pl.BlockSpec((None, None, rows), lambda blk, b, n: (b, n, at_rows(blk))),
+    ]
+
+
+def _forward_call(config: _Config, table, query, key, value, row_ids, key_ids):
+    """The forward kernel over padded arrays: output `[B, Tp, N, Hv]`, lse `[B, N, Tp]`."""
+    B, T, N, H = query.shape
+    S, Hv = key.shape[1], value.shape[-1]
+    block_q = config.blocks.block_q
+    specs = _operand_specs(config, (T, S, H, Hv), True, block_q)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, config=config),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, T, N, Hv), query.dtype),
+            jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+        ),
+        grid=(T // block_q, B, N),
+        in_specs=specs[:6],
+        out_specs=(specs[6], specs[7]),
+        interpret=config.interpret,
+        compiler_params=_compiler_params(config),
+        name="qkv_attention_forward",
+    )(table, query, key, value, row_ids, key_ids)
+
+
+def _backward_calls(config: _Config, operands: tuple, out_grad, lse, delta):
+    """dQ `[B, Tp, N, H]` and, per query head, dK and dV `[B, Sp, N, H|Hv]` in float32."""
+    table, query, key, value, row_ids, key_ids = operands
+    B, T, N, H = query.shape
+    S, Hv = key.shape[1], value.shape[-1]
+    block_q, block_k = config.blocks.backward_q, config.blocks.backward_k
+    shape = (T, S, H, Hv)
+    common = dict(interpret=config.interpret, compiler_params=_compiler_params(config))
+    arguments = (*operands, out_grad, lse, delta)
+    query_specs = _operand_specs(config, shape, True, block_q)
+    query_grad = pl.pallas_call(
+        functools.partial(_query_grad_kernel, config=config),
+        out_shape=jax.ShapeDtypeStruct(query.shape, query.dtype),
+        grid=(T // block_q, B, N),
+        in_specs=query_specs,
+        out_specs=query_specs[1],
+        name="qkv_attention_query_grad",
+        **common,
+    )(*arguments)
+    key_specs = _operand_specs(config, shape, False, block_k)
+    per_head = pl.BlockSpec((None, block_k, None, H), lambda blk, b, n: (b, blk, n, 0))
+    per_head_value = pl.BlockSpec((None, block_k, None, Hv), lambda blk, b, n: (b, blk, n, 0))
+    key_grad, value_grad = pl.pallas_call(
+        functools.partial(_key_grads_kernel, config=config),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, S, N, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, S, N, Hv), jnp.float32),
+        ),
+        grid=(S // block_k, B, N),
+        in_specs=key_specs,
+        out_specs=(per_head, per_head_value),
+        name="qkv_attention_key_grads",
+        **common,
+    )(*arguments)
+    return query_grad, key_grad, value_grad
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(config: _Config, table, query, key, value, row_ids, key_ids):
+    """`(output [B, Tp, N, Hv], lse [B, N, Tp])` of padded arrays; differentiable in the
+    query, key and value, through both results."""
+    return _forward_call(config, table, query, key, value, row_ids, key_ids)
+
+
+def _fused_forward(config: _Config, table, query, key, value, row_ids, key_ids):
+    output, lse = _forward_call(config, table, query, key, value, row_ids, key_ids)
+    return (output, lse), ((table, query, key, value, row_ids, key_ids), output, lse)
+
+
+def _fused_backward(config: _Config, residuals, cotangents):
+    """D = rowsum(dO * O) - dlse; the kernels; dK, dV summed over each kv head's query heads."""
+    operands, output, lse = residuals
+    out_grad, lse_grad = cotangents
+    _, query, key, value, _, _ = operands
+    B, S, K, H = key.shape
+    delta = jnp.sum(output.astype(jnp.float32) * out_grad.astype(jnp.float32), axis=-1)  # (B, Tp, N)
+    delta = jnp.swapaxes(delta, 1, 2) - lse_grad  # (B, N, Tp)
+    finite_lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # rows that attend nothing: weights 0
+    query_grad, key_grad, value_grad = _backward_calls(
+        config, operands, out_grad.astype(value.dtype), finite_lse, delta
+    )
+    key_grad = key_grad.reshape(B, S, K, config.G, H).sum(axis=3)  # (B, Sp, K, H)
+    value_grad = value_grad.reshape(B, S, K, config.G, value.shape[-1]).sum(axis=3)  # (B, Sp, K, Hv)
+    return None, query_grad, key_grad.astype(key.dtype), value_grad.astype(value.dtype), None, None
+
+
+_fused.defvjp(_fused_forward, _fused_backward)
+
+
+def _check_blocks(blocks: Any, interpret: bool) -> BlockSizes:
+    """`blocks` as `BlockSizes`; ValueError unless four powers of two (>= 16 on a GPU)."""
+    least = 1 if interpret else 16
+    sizes = tuple(blocks) if isinstance(blocks, (tuple, list)) else ()
+    if len(sizes) != 4 or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= least and n & (n - 1) == 0 for n in sizes
+    ):
+        raise ValueError(
+            f"pallas_attention: block_sizes must be four powers of two >= {least} "
+            f"(block_q, block_k, backward_q, backward_k), got {blocks!r}"
+        )
+    return BlockSizes(*sizes)
+
+
+def _pad_to(x: Array, axis: int, size: int) -> Array:
+    """`x` padded with zeros along `axis` up to `size`."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _table(batch: tuple[int, ...], query_offset, query_lengths, key_lengths, T: int, S: int) -> Array:
+    """Each example's (offset, query length, key length, 0) as int32 `[B, 4]`."""
+    B = math.prod(batch)
+
+    def column(x, default):
+        x = jnp.asarray(default if x is None else x).astype(jnp.int32)
+        return jnp.broadcast_to(per_example(x, batch), (B,))
+
+    columns = (column(query_offset, 0), column(query_lengths, T), column(key_lengths, S))
+    return jnp.stack((*columns, jnp.zeros((B,), jnp.int32)), axis=1)  # (B, 4)
+
+
+def _segment_rows(ids, batch: tuple[int, ...], length: int, padded: int) -> Array | None:
+    """Segment ids broadcastable to `[batch..., length]` as int32 `[B, padded]`."""
+    if ids is None:
+        return None
+    ids = jnp.broadcast_to(per_example(jnp.asarray(ids), batch, (length,)), (math.prod(batch), length))
+    return _pad_to(ids.astype(jnp.int32), 1, padded)
+
+
+def _with_sinks(output: Array, lse: Array, sinks: Any, batch: tuple[int, ...]) -> tuple[Array, Array]:
+    """Output `[B, T, N, Hv]` and lse `[B, T, N]` with one more logit per head in each row's
+    normaliser: the output scaled by `sigmoid(lse - sink)`, the lse `logaddexp(lse, sink)`."""
+    N = output.shape[2]
+    sink = per_example(jnp.asarray(sinks).astype(jnp.float32), batch, (N,))[:, None, :]  # (B|1, 1, N)
+    difference = lse - sink
+    difference = jnp.where(jnp.isnan(difference), -jnp.inf, difference)  # no key and a -inf sink
+    kept = jax.nn.sigmoid(difference)  # (B, T, N): the keys' share of the mass
+    output = (output.astype(jnp.float32) * kept[..., None]).astype(output.dtype)
+    return output, jnp.logaddexp(lse, sink)
+
+
+def _scaled(query: Array, scale: Any, depth: int, dtype) -> tuple[Array, float]:
+    """The query and the static scale the kernels apply: a number (None: `1/sqrt(depth)`) is
+    compiled in; an array scale multiplies the query first (in float32 or wider), so that
+    plain JAX differentiates it."""
+    if scale is None:
+        return query, 1.0 / math.sqrt(depth)
+    if is_number(scale):
+        return query, float(scale)
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return (query.astype(wide) * jnp.asarray(scale, wide)).astype(dtype), 1.0
+
+
+def _padded_length(n: int, *blocks: int) -> int:
+    block = max(blocks)
+    return -(-n // block) * block
+
+
+def pallas_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    is_causal: bool = False,
+    scale: float | Array | None = None,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_offset: int | Array = 0,
+    query_segment_ids: Array | None = None,
+    key_segment_ids: Array | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Array | None = None,
+    return_residual: bool = False,
+    block_sizes: BlockSizes | tuple[int, int, int, int] | None = None,
+    interpret: bool | None = None,
+) -> Array | tuple[Array, Array]:
+    """Fused attention (module docstring): `chunked_attention`'s arguments and meanings, less
+    the bias, the mask and the precision (dots run in float32, `_DOT_PRECISION`).
+
+    query `[batch..., T, N, H]`, key `[batch..., S, K, H]` (K divides N), value
+    `[batch..., S, K, Hv]`; returns `[batch..., T, N, Hv]` in the inputs' result dtype (and,
+    with `return_residual`, the log-sum-exp `[batch..., T, N]`, sinks included, -inf for a
+    row with no key and no sink; it passes no gradient). A row that attends no key gives
+    zeros. Differentiable in query, key, value, an array `scale` and `sinks`.
+
+    block_sizes: `BlockSizes` (powers of two, >= 16 on a GPU); None: `default_block_sizes`.
+    interpret: run in Pallas' interpret mode; None: unless the default backend is a GPU.
+    """
+    *batch_dims, T, N, H = query.shape
+    S, K, Hv = key.shape[-3], key.shape[-2], value.shape[-1]
+    batch = tuple(batch_dims)
+    if (query_segment_ids is None) != (key_segment_ids is None):
+        raise ValueError("pallas_attention: query_segment_ids and key_segment_ids must be given together")
+    interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+    dtype = jnp.result_type(query, key, value)
+    query, static_scale = _scaled(query, scale, H, dtype)
+    depth, value_depth = _power_of_two_above(H, 16), _power_of_two_above(Hv, 16)
+    blocks = block_sizes or default_block_sizes(T, S, max(depth, value_depth), dtype, interpret=interpret)
+    blocks = _check_blocks(blocks, interpret)
+    T_pad = _padded_length(T, blocks.block_q, blocks.backward_q)
+    S_pad = _padded_length(S, blocks.block_k, blocks.backward_k)
+    config = _Config(
+        T=T,
+        S=S,
+        G=N // K,
+        blocks=blocks,
+        scale=static_scale,
+        is_causal=bool(is_causal),
+        window=window_pair(local_window_size, "pallas_attention"),
+        soft_cap=check_soft_cap("pallas_attention", logits_soft_cap),
+        segments=query_segment_ids is not None,
+        query_lengths=query_seq_lengths is not None,
+        limit_keys=key_value_seq_lengths is not None or S_pad != S,
+        interpret=interpret,
+        num_warps=4 if max(depth, value_depth) <= 64 else 8,
+        num_stages=2,
+    )
+
+    def flat(x, length, width):  # (B, length, heads, width), zero-padded
+        return _pad_to(_pad_to(x.astype(dtype).reshape(-1, *x.shape[-3:]), 1, length), 3, width)
+
+    output, lse = _fused(
+        config,
+        _table(batch, query_offset, query_seq_lengths, key_value_seq_lengths, T, S),
+        flat(query, T_pad, depth),
+        flat(key, S_pad, depth),
+        flat(value, S_pad, value_depth),
+        _segment_rows(query_segment_ids, batch, T, T_pad),
+        _segment_rows(key_segment_ids, batch, S, S_pad),
+    )  # (B, Tp, N, Hvp), (B, N, Tp)
+    output, lse = output[:, :T, :, :Hv], jnp.swapaxes(lse[:, :, :T], 1, 2)  # (B, T, N, Hv), (B, T, N)
+    if sinks is not None:
+        output, lse = _with_sinks(output, lse, sinks, batch)
+    output = output.reshape(*batch, T, N, Hv)
+    if not return_residual:
+        return output
+    return output, lax.stop_gradient(lse).reshape(*batch, T, N).astype(dtype)
