@@ -13,6 +13,7 @@ from qkv_jax.attention.chunked import chunked_attention
 from qkv_jax.attention.dispatch import call_features, check_call, choose
 from qkv_jax.attention.jax_nn import jax_nn_attention, matmul_precision_name
 from qkv_jax.attention.options import CallOptions, PrecisionLike, check_soft_cap, is_number
+from qkv_jax.attention.pallas import pallas_attention
 from qkv_jax.attention.reference import reference_attention
 from qkv_jax.attention.visibility import (
     KeyVisibility,
@@ -198,6 +199,18 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
             precision=options.precision,
         )
         return output, residual, None
+    if implementation == "pallas":
+        output, residual = pallas_attention(
+            query,
+            key,
+            value,
+            **keys.keywords(lengths=True),
+            scale=scale,
+            logits_soft_cap=options.soft_cap,
+            sinks=traced.sinks,
+            return_residual=True,
+        )
+        return output, residual, None
     output, residual = jax_nn_attention(
         query,
         key,
@@ -322,6 +335,11 @@ def dot_product_attention(
         "chunked": `qkv_jax.attention.chunked_attention`, blocked online
           softmax with memory O(T x block), skipping the tiles that causality,
           a window, lengths or segment ids rule out.
+        "pallas": `qkv_jax.attention.pallas.pallas_attention`, fused Pallas
+          kernels (forward and backward, memory linear in T): Triton on a
+          GPU, Pallas' interpret mode elsewhere (slow: for tests). No bias
+          or mask (the rules above instead), not float64; dots in float32.
+          None does not choose it.
         None: `select_implementation`'s rule (see there): "reference" for
           weights or dropout; "cudnn" on a GPU where it applies; "chunked"
           from `CHUNKED_MIN_KEYS` keys; below that "reference" on CPU, "xla"
