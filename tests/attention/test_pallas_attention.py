@@ -1,0 +1,236 @@
+"""The fused Pallas kernels ("pallas") in interpret mode against float64 references.
+
+Each case combines options (causal with a query offset at T != S, windows on
+one or both sides, segment ids, lengths, a soft cap, sinks, grouped kv heads,
+a query/key width unequal to the value's, float32 and bfloat16) at tiny
+shapes with blocks of 8, so that there are several blocks, padded ones and
+blocks the loops skip, and rows that see no key. Outputs and residuals are
+compared with tests/numpy_reference.py, gradients (query, key, value, sinks,
+an array scale) with the reference path's in float64. Interpret mode compiles
+slowly: each case compiles one function that gives outputs and gradients.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_reference as ref
+import pytest
+
+from qkv_jax import dot_product_attention
+from qkv_jax.attention import pallas
+from qkv_jax.attention.pallas import pallas_attention
+
+BLOCKS_OF_8 = (8, 8, 8, 8)
+# name: (dtype, batch, T, S, N, K, H, Hv, options); "segments" and "lengths" are made by `make_case`.
+CASES = {
+    "f32 gqa mla: causal offsets T<S, window, segments, lengths, soft cap, sinks": (
+        np.float32,
+        (2,),
+        20,
+        27,
+        4,
+        2,
+        12,
+        8,
+        dict(
+            is_causal=True,
+            query_offset=np.array([3, 7]),
+            local_window_size=(6, 2),
+            logits_soft_cap=3.0,
+            segments=True,
+            lengths=True,
+            sinks=(4,),
+        ),
+    ),
+    "bf16 2-d batch mqa: causal window, lengths, sinks [B, N], soft cap": (
+        jnp.bfloat16,
+        (1, 2),
+        32,
+        32,
+        4,
+        1,
+        16,
+        16,
+        dict(is_causal=True, local_window_size=(9, 0), lengths=True, sinks=(1, 2, 4), logits_soft_cap=5.0),
+    ),
+    "f32 unbatched, two-sided window T>S, static offset, segments, array scale": (
+        np.float32,
+        (),
+        28,
+        19,
+        2,
+        2,
+        8,
+        8,
+        dict(local_window_size=(3, 5), query_offset=-4, segments=True, scale=0.4),
+    ),
+}
+FAST = "f32 gqa mla: causal offsets T<S, window, segments, lengths, soft cap, sinks"
+TOLERANCE = {np.float32: dict(atol=2e-5, rtol=1e-4), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def make_case(name, seed=0):
+    """(query, key, value, sinks or None, scale or None, keywords of everything else)."""
+    dtype, batch, T, S, N, K, H, Hv, options = CASES[name]
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(*batch, T, N, H))
+    key = rng.normal(size=(*batch, S, K, H))
+    value = rng.normal(size=(*batch, S, K, Hv))
+    query, key, value = (np.asarray(jnp.asarray(x, dtype)) for x in (query, key, value))  # rounded
+    keywords = {k: v for k, v in options.items() if k not in ("segments", "lengths", "sinks", "scale")}
+    if options.get("segments"):  # packed rows; query id 3 has no key
+        keywords["query_segment_ids"] = np.broadcast_to(np.minimum(np.arange(T) * 4 // T, 3), (*batch, T))
+        keywords["key_segment_ids"] = np.broadcast_to(np.minimum(np.arange(S) * 3 // S, 2), (*batch, S))
+    if options.get("lengths"):  # the last example's last 5 rows and the first's last 6 keys padded
+        query_lengths, key_lengths = np.full(batch, T), np.full(batch, S)
+        query_lengths.reshape(-1)[-1], key_lengths.reshape(-1)[0] = T - 5, S - 6
+        keywords.update(query_seq_lengths=query_lengths, key_value_seq_lengths=key_lengths)
+    sinks = None if "sinks" not in options else rng.normal(size=options["sinks"]).astype(np.float32)
+    scale = None if "scale" not in options else np.float32(options["scale"])
+    return query, key, value, sinks, scale, keywords
+
+
+def numpy_answer(query, key, value, sinks, scale, keywords):
+    """float64 (output, residual, allowed pairs)."""
+    *batch, T, N, _ = query.shape
+    S = key.shape[-3]
+    allowed = ref.allowed_pairs(
+        tuple(batch),
+        N,
+        T,
+        S,
+        is_causal=keywords.get("is_causal", False),
+        window=keywords.get("local_window_size"),
+        query_offset=keywords.get("query_offset", 0),
+        query_lengths=keywords.get("query_seq_lengths"),
+        key_lengths=keywords.get("key_value_seq_lengths"),
+        query_segments=keywords.get("query_segment_ids"),
+        key_segments=keywords.get("key_segment_ids"),
+    )
+    sinks = None if sinks is None else np.asarray(sinks, np.float64)
+    output, _, residual = ref.attention_full(
+        query,
+        key,
+        value,
+        allowed=allowed,
+        scale=None if scale is None else float(scale),
+        soft_cap=keywords.get("logits_soft_cap"),
+        sinks=sinks,
+    )
+    return output, residual, allowed
+
+
+def _loss_and_outputs(attend, query, key, value, sinks, scale, cotangent):
+    """A scalar loss with uneven weights on every output entry, and (output, residual)."""
+    output, residual = attend(query, key, value, sinks, scale)
+    return jnp.sum(output.astype(jnp.float32) * cotangent), (output, residual)
+
+
+@functools.cache
+def results(name, implementation):
+    """(output, residual, gradients wrt query, key, value, sinks and scale) of one case, on
+    "pallas" (the case's dtype; blocks of 8 through pallas_attention, the default blocks
+    through dot_product_attention for the bf16 case) or "reference" (float64)."""
+    query, key, value, sinks, scale, keywords = make_case(name)
+    wide = implementation == "reference"
+    cotangent = np.random.default_rng(1).normal(size=(*query.shape[:-1], value.shape[-1]))
+    argnums = (0, 1, 2) + ((3,) if sinks is not None else ()) + ((4,) if scale is not None else ())
+
+    def attend(q, k, v, s, c):
+        common = dict(keywords, sinks=s, scale=c, return_residual=True)
+        if wide or query.dtype == jnp.bfloat16:
+            return dot_product_attention(q, k, v, implementation=implementation, **common)
+        return pallas_attention(q, k, v, block_sizes=BLOCKS_OF_8, **common)
+
+    loss = jax.value_and_grad(functools.partial(_loss_and_outputs, attend), argnums, has_aux=True)
+    with jax.enable_x64(wide):
+        args = [query, key, value, sinks, scale, cotangent.astype(np.float32)]
+        if wide:
+            args = [None if x is None else np.asarray(x, np.float64) for x in args]
+        (_, (output, residual)), grads = jax.jit(loss)(*args)
+        return (
+            np.asarray(output, np.float64),
+            np.asarray(residual, np.float64),
+            [np.asarray(g) for g in grads],
+        )
+
+
+def check_case(name):
+    dtype = CASES[name][0]
+    query, key, value, sinks, scale, keywords = make_case(name)
+    want, want_residual, allowed = numpy_answer(query, key, value, sinks, scale, keywords)
+    assert not allowed.any(-1).all() and allowed.any(-1).any()  # some rows see no key
+    output, residual, grads = results(name, "pallas")
+    tolerance = TOLERANCE[dtype]
+    np.testing.assert_allclose(output, want, **tolerance)
+    np.testing.assert_allclose(residual, want_residual, **tolerance)
+    *_, expected = results(name, "reference")
+    for index, (got, wanted) in enumerate(zip(grads, expected, strict=True)):
+        assert got.shape == wanted.shape and np.isfinite(got).all(), index
+        scale_of = max(1.0, np.abs(wanted).max())  # bf16 gradients: relative to their size
+        np.testing.assert_allclose(got, wanted, **dict(tolerance, atol=tolerance["atol"] * scale_of))
+
+
+def test_combined_options_float32():
+    check_case(FAST)
+
+
+@pytest.mark.slow  # interpret mode compiles each case for a few seconds; the fast tier has one
+@pytest.mark.parametrize("name", [name for name in CASES if name != FAST])
+def test_more_options(name):
+    check_case(name)
+
+
+def test_loops_reach_every_visible_pair_and_skip_the_band_outside():
+    """The block bounds of both passes hold every pair the rules allow, and skip most blocks."""
+    T, S, block, offset, window = 40, 48, 8, 5, (6, 3)
+    config = pallas._Config(
+        T=T,
+        S=S,
+        G=1,
+        blocks=pallas.BlockSizes(block, block, block, block),
+        scale=1.0,
+        is_causal=True,
+        window=window,
+        soft_cap=None,
+        segments=False,
+        query_lengths=True,
+        limit_keys=True,
+        interpret=True,
+        num_warps=4,
+        num_stages=2,
+    )
+    limits = pallas._Limits(jnp.int32(offset), jnp.int32(T - 3), jnp.int32(S - 2))
+    allowed = ref.allowed_pairs(
+        (),
+        1,
+        T,
+        S,
+        is_causal=True,
+        window=window,
+        query_offset=offset,
+        query_lengths=T - 3,
+        key_lengths=S - 2,
+    )[0]  # (T, S)
+    visible = allowed.reshape(T // block, block, S // block, block).any(axis=(1, 3))  # (query, key) blocks
+    query_blocks, key_blocks = np.arange(T // block), np.arange(S // block)
+    lo, hi = pallas._key_blocks(config, jnp.asarray(query_blocks, jnp.int32), limits, block, block)
+    forward = (key_blocks >= np.asarray(lo)[:, None]) & (key_blocks < np.asarray(hi)[:, None])
+    first, last = pallas._query_blocks(config, jnp.asarray(key_blocks, jnp.int32), limits, block, block)
+    backward = (query_blocks[:, None] >= np.asarray(first)) & (query_blocks[:, None] < np.asarray(last))
+    for reached in (forward, backward):
+        assert (reached >= visible).all()
+        assert reached.sum() <= visible.sum() + T // block  # at most one block more per row of blocks
+        assert reached.sum() < visible.size / 2
+
+
+def test_refusals_in_one_line():
+    query = np.ones((2, 8, 2, 4), np.float32)
+    with pytest.raises(ValueError, match=r"^dot_product_attention: implementation='pallas' has no mask"):
+        dot_product_attention(query, query, query, mask=np.ones((8, 8), bool), implementation="pallas")
+    with pytest.raises(ValueError, match="block_sizes must be four powers of two >= 16"):
+        pallas_attention(query, query, query, block_sizes=(8, 8, 8, 8), interpret=False)
+    with jax.enable_x64(True), pytest.raises(ValueError, match="cannot serve float64"):
+        dot_product_attention(query.astype(np.float64), query, query, implementation="pallas")
