@@ -4,8 +4,10 @@ Side by side in one process, at B4 T4096 N16 H128 bf16 (forward, and forward plu
 jax.nn's cuDNN and XLA paths, qkv_jax's own paths, tokamax's kernels where tokamax imports
 (its Mosaic GPU and Triton implementations), jax's bundled Pallas GPU attention, and torch's
 SDPA and compiled flex_attention, for plain causal, a causal left window, a two-sided window
-and a logit soft cap; float32 at H64. Each case is skipped with its reason when it fails, and
-no case starts after --budget-s.
+a logit soft cap, two packed segments per row and a sink per head; float32 at H64.
+qkv_jax's "pallas" rows also give its largest difference from "chunked" (output and each
+gradient, relative to the largest entry), a check of the kernel on the GPU. Each case is
+skipped with its reason when it fails, and no case starts after --budget-s.
 
     python benchmarks/gpu_probe.py --out results.json   # on the GPU machine
     python benchmarks/gpu_probe.py --dry-run            # tiny sizes on any machine
@@ -34,7 +36,46 @@ OPTIONS = {
     "window_left_1024_causal": dict(is_causal=True, local_window_size=(1024, 0)),
     "window_512_both": dict(local_window_size=(512, 512)),
     "soft_cap_50_causal": dict(is_causal=True, logits_soft_cap=50.0),
+    "segments_causal": dict(is_causal=True),  # two packed segments per row (`option_arrays`)
+    "sinks_causal": dict(is_causal=True),  # one sink logit per head (`option_arrays`)
 }
+# The JAX paths each option is timed on (jax.nn, tokamax and jax's bundled kernel apart).
+QKV_PATHS = {option: (None, "xla", "pallas") for option in OPTIONS}
+QKV_PATHS["causal"] = (None, "xla", "chunked", "pallas")
+QKV_PATHS["sinks_causal"] = (None, "pallas")  # jax.nn's XLA path has no sinks
+
+
+def segment_ids(shape):
+    """Two packed segments per row, `[B, T]`: the first half of the positions, then the rest."""
+    B, T = shape[0], shape[1]
+    return np.broadcast_to((np.arange(T) >= T // 2).astype(np.int32), (B, T))
+
+
+def sink_logits(shape):
+    """One sink logit per head `[N]`, spread around 0."""
+    return np.linspace(-1.0, 1.0, shape[2]).astype(np.float32)
+
+
+def option_keywords(option, shape):
+    """`dot_product_attention`'s keywords of `option` at `shape` = (B, T, N, H), arrays included."""
+    keywords = dict(OPTIONS[option])
+    if option == "segments_causal":
+        ids = jnp.asarray(segment_ids(shape))
+        keywords.update(query_segment_ids=ids, key_segment_ids=ids)
+    if option == "sinks_causal":
+        keywords["sinks"] = jnp.asarray(sink_logits(shape))
+    return keywords
+
+
+def jax_nn_keywords(option, shape):
+    """jax.nn's keywords for `option`, or None where jax.nn has no equivalent."""
+    if option in ("soft_cap_50_causal", "sinks_causal"):
+        return None
+    keywords = dict(OPTIONS[option])
+    if option == "segments_causal":
+        ids = jnp.asarray(segment_ids(shape))
+        keywords["mask"] = (ids[:, :, None] == ids[:, None, :])[:, None]  # (B, 1, T, T)
+    return keywords
 
 
 def time_jax(fn, *args, repeats=3, inner=10):
@@ -64,8 +105,9 @@ def forward_and_train(attend):
 def jax_cases(shape, dtype):
     """(name, option, attend) for every JAX path that may take `option`."""
     cases = []
-    for option, kw in OPTIONS.items():
-        for impl in (None, "xla") if option != "causal" else (None, "xla", "chunked"):
+    for option in OPTIONS:
+        kw = option_keywords(option, shape)
+        for impl in QKV_PATHS[option]:
             cases.append(
                 (
                     f"qkv_jax[{impl or 'default'}]",
@@ -75,17 +117,20 @@ def jax_cases(shape, dtype):
                     ),
                 )
             )
-        if "logits_soft_cap" not in kw:
+        nn_kw = jax_nn_keywords(option, shape)
+        if nn_kw is not None:
             for impl in ("cudnn", "xla"):
                 cases.append(
                     (
                         f"jax.nn[{impl}]",
                         option,
-                        lambda q, k, v, kw=kw, impl=impl: jax.nn.dot_product_attention(
+                        lambda q, k, v, kw=nn_kw, impl=impl: jax.nn.dot_product_attention(
                             q, k, v, implementation=impl, **kw
                         ),
                     )
                 )
+        if option in ("segments_causal", "sinks_causal"):
+            continue  # tokamax has neither segment ids nor sinks
         try:
             import tokamax
 
@@ -116,6 +161,27 @@ def jax_cases(shape, dtype):
     return cases
 
 
+def pallas_errors(option, q, k, v, ct):
+    """The largest differences of "pallas" from "chunked" (float32 accumulation, another
+    algorithm) in the output and in each gradient, relative to the largest entry of each."""
+    kw = option_keywords(option, q.shape)
+
+    def attend(impl):
+        return lambda q, k, v: qkv_jax.dot_product_attention(q, k, v, implementation=impl, **kw)
+
+    errors = {}
+    results = {}
+    for impl in ("pallas", "chunked"):
+        fwd, train = forward_and_train(attend(impl))
+        results[impl] = (fwd(q, k, v), *train(q, k, v, ct))
+    for name, got, want in zip(
+        ("output", "dq", "dk", "dv"), results["pallas"], results["chunked"], strict=True
+    ):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        errors[name] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    return errors
+
+
 def torch_cases(shape, dtype_name):
     try:
         import torch
@@ -126,27 +192,34 @@ def torch_cases(shape, dtype_name):
         return []
     B, T, N, H = shape
     compiled = torch.compile(flex_attention)
+    document = (torch.arange(T, device="cuda") >= T // 2).to(torch.int32)  # segment_ids' two segments
+    sinks = torch.from_numpy(sink_logits(shape)).to("cuda")
     masks = {
         "causal": lambda b, h, q, k: q >= k,
         "window_left_1024_causal": lambda b, h, q, k: (q >= k) & (q - k <= 1024),
         "window_512_both": lambda b, h, q, k: (q - k <= 512) & (k - q <= 512),
         "soft_cap_50_causal": lambda b, h, q, k: q >= k,
+        "segments_causal": lambda b, h, q, k: (q >= k) & (document[q] == document[k]),
+        "sinks_causal": lambda b, h, q, k: q >= k,
     }
 
     def soft_cap(score, b, h, q, k):
         return 50.0 * torch.tanh(score / 50.0)
 
+    def with_sinks(q, k, v, bm):  # out * sigmoid(lse - sink), as qkv_jax's sinks
+        out, lse = compiled(q, k, v, block_mask=bm, return_lse=True)
+        return out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
+
     cases = []
     for option, mask_mod in masks.items():
         block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
         score_mod = soft_cap if option.startswith("soft_cap") else None
-        cases.append(
-            (
-                "torch.flex_attention(compiled)",
-                option,
-                lambda q, k, v, bm=block_mask, sm=score_mod: compiled(q, k, v, score_mod=sm, block_mask=bm),
-            )
+        attend = (
+            (lambda q, k, v, bm=block_mask: with_sinks(q, k, v, bm))
+            if option == "sinks_causal"
+            else (lambda q, k, v, bm=block_mask, sm=score_mod: compiled(q, k, v, score_mod=sm, block_mask=bm))
         )
+        cases.append(("torch.flex_attention(compiled)", option, attend))
     cases.append(
         ("torch.sdpa", "causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     )
@@ -206,6 +279,8 @@ def run(args):
                 fwd, train = forward_and_train(attend)
                 row["forward_ms"] = time_jax(fwd, q, k, v)
                 row["train_ms"] = time_jax(train, q, k, v, ct)
+                if name == "qkv_jax[pallas]":
+                    row["relative_error_vs_chunked"] = pallas_errors(option, q, k, v, ct)
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             results.append(row)
@@ -230,6 +305,12 @@ def run(args):
     return results
 
 
+def error_note(row):
+    """The largest relative difference from "chunked" of a row that has one."""
+    errors = row.get("relative_error_vs_chunked")
+    return "" if not errors else f"max rel. error vs chunked {max(errors.values()):.2e}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the rows as JSON here")
@@ -245,7 +326,7 @@ def main():
         print(
             f"{r['name']:34s} {r['option']:26s} {r['dtype']:9s} "
             f"{r.get('forward_ms', float('nan')):8.3f} {r.get('train_ms', float('nan')):10.3f} "
-            f"{r.get('error', '')[:60]}"
+            f"{r.get('error', '')[:60]}{error_note(r)}"
         )
 
 
