@@ -8,6 +8,8 @@ blocks the loops skip, and rows that see no key. Outputs and residuals are
 compared with tests/numpy_reference.py, gradients (query, key, value, sinks,
 an array scale) with the reference path's in float64. Interpret mode compiles
 slowly: each case compiles one function that gives outputs and gradients.
+The kernels are also lowered for a GPU from this machine (Triton's lowering
+rules run without one), forward and backward.
 """
 
 import functools
@@ -234,3 +236,38 @@ def test_refusals_in_one_line():
         pallas_attention(query, query, query, block_sizes=(8, 8, 8, 8), interpret=False)
     with jax.enable_x64(True), pytest.raises(ValueError, match="cannot serve float64"):
         dot_product_attention(query.astype(np.float64), query, query, implementation="pallas")
+
+
+@pytest.mark.skipif(pallas._TRITON_PARAMS is None, reason="this jax has no Pallas Triton backend")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_through_triton_for_a_gpu(dtype):
+    """Lowered for CUDA from this machine, forward and backward become three Triton kernels:
+    every primitive has a Triton lowering rule and every loaded block is a power of two."""
+    B, T, S, N, K, H, Hv = 2, 100, 300, 4, 2, 24, 40
+
+    def loss(query, key, value, sinks, ids, offsets):
+        output = pallas_attention(
+            query,
+            key,
+            value,
+            is_causal=True,
+            query_offset=offsets,
+            local_window_size=(70, 3),
+            logits_soft_cap=20.0,
+            query_segment_ids=ids[:, :T],
+            key_segment_ids=ids,
+            key_value_seq_lengths=offsets + 250,
+            query_seq_lengths=offsets + 90,
+            sinks=sinks,
+            interpret=False,
+        )
+        return jnp.sum(output.astype(jnp.float32))
+
+    shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, Hv), (N,), (B, S), (B,)]
+    dtypes = [dtype, dtype, dtype, jnp.float32, jnp.int32, jnp.int32]
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
+    gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    text = gradients.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    for name in ("qkv_attention_forward", "qkv_attention_query_grad", "qkv_attention_key_grads"):
+        assert f'name = "{name}"' in text
