@@ -22,7 +22,9 @@ Which keys a query sees is decided inside the kernels from the rules of
 both relative to query t's key position `t + query_offset`, segment ids and
 sequence lengths. The loops run only over the blocks the causal triangle, the
 window and the lengths leave within reach (where a window's speed comes
-from); inside a block the rules mask. A soft cap `c * tanh(logits / c)` is
+from), and, with segment ids, between the first and the last block whose
+range of ids overlaps the block's own (exact for packed sequences, whose ids
+do not decrease); inside a block the rules mask. A soft cap `c * tanh(logits / c)` is
 applied before masking and its slope recomputed backward; sinks act after the
 kernel, `output * sigmoid(lse - sink)`, so they are differentiable through
 plain JAX.
@@ -145,7 +147,9 @@ def _ceil_div(x: Array, n: int) -> Array:
     return lax.div(x + (n - 1), jnp.int32(n))
 
 
-def _key_blocks(config: _Config, i: Array, limits: _Limits, block_q: int, block_k: int):
+def _key_blocks(
+    config: _Config, i: Array, limits: _Limits, block_q: int, block_k: int
+) -> tuple[Array, Array]:
     """Key blocks `[lo, hi)` that query block i (rows `i * block_q` on) may reach."""
     first_row = i * block_q
     last_row = first_row + (block_q - 1)
@@ -163,7 +167,9 @@ def _key_blocks(config: _Config, i: Array, limits: _Limits, block_q: int, block_
     return lo, jnp.maximum(lo, hi)
 
 
-def _query_blocks(config: _Config, j: Array, limits: _Limits, block_q: int, block_k: int):
+def _query_blocks(
+    config: _Config, j: Array, limits: _Limits, block_q: int, block_k: int
+) -> tuple[Array, Array]:
     """Query blocks `[lo, hi)` that may reach key block j (keys `j * block_k` on)."""
     first_key = j * block_k
     last_key = first_key + (block_k - 1)
@@ -178,6 +184,15 @@ def _query_blocks(config: _Config, j: Array, limits: _Limits, block_q: int, bloc
     lo = lax.div(first_row, jnp.int32(block_q))
     hi = _ceil_div(jnp.maximum(last_row + 1, 0), block_q)
     return lo, jnp.maximum(lo, hi)
+
+
+def _within_segments(lo: Array, hi: Array, reach_ref) -> tuple[Array, Array]:
+    """`[lo, hi)` narrowed to the blocks that share a segment id with this one (`reach_ref`
+    `[2]`, from `_segment_reach`; None without segment ids)."""
+    if reach_ref is None:
+        return lo, hi
+    lo = jnp.maximum(lo, reach_ref[0])
+    return lo, jnp.maximum(lo, jnp.minimum(hi, reach_ref[1]))
 
 
 def _allowed(config: _Config, rows, keys, limits: _Limits, row_ids, key_ids) -> Array | None:
@@ -222,11 +237,14 @@ def _tile_logits(config: _Config, query, key, allowed):
     return logits, None if slope is None else jnp.where(allowed, slope, 0.0)
 
 
-def _forward_kernel(table_ref, q_ref, k_ref, v_ref, row_ids_ref, key_ids_ref, out_ref, lse_ref, *, config):
+def _forward_kernel(
+    table_ref, q_ref, k_ref, v_ref, row_ids_ref, key_ids_ref, reach_ref, out_ref, lse_ref, *, config
+):
     """One query block of one head: the online softmax over the key blocks it reaches.
 
     q_ref `[bq, H]`, k_ref `[S, H]`, v_ref `[S, Hv]`, out_ref `[bq, Hv]`, lse_ref `[bq]`;
-    the segment-id refs `[bq]` and `[S]` (None without segments)."""
+    the segment-id refs `[bq]` and `[S]`, and the key blocks sharing an id `[2]` (None
+    without segments)."""
     block_q, block_k = config.blocks.block_q, config.blocks.block_k
     i = pl.program_id(0)
     limits = _limits(table_ref)
@@ -252,7 +270,7 @@ def _forward_kernel(table_ref, q_ref, k_ref, v_ref, row_ids_ref, key_ids_ref, ou
             accumulator * rescale[:, None] + blended,
         )
 
-    lo, hi = _key_blocks(config, i, limits, block_q, block_k)
+    lo, hi = _within_segments(*_key_blocks(config, i, limits, block_q, block_k), reach_ref)
     init = (
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
@@ -283,6 +301,7 @@ def _key_grads_kernel(
     v_ref,
     row_ids_ref,
     key_ids_ref,
+    reach_ref,
     do_ref,
     lse_ref,
     delta_ref,
@@ -294,7 +313,8 @@ def _key_grads_kernel(
     """dK and dV of one key block for one query head, over the query blocks that reach it.
 
     q_ref `[T, H]`, do_ref `[T, Hv]`, lse_ref and delta_ref `[T]` (whole); k_ref `[bk, H]`,
-    v_ref `[bk, Hv]`, dk_ref and dv_ref alike; segment ids `[T]` and `[bk]`."""
+    v_ref `[bk, Hv]`, dk_ref and dv_ref alike; segment ids `[T]` and `[bk]`, the query blocks
+    sharing one `[2]`."""
     block_q, block_k = config.blocks.backward_q, config.blocks.backward_k
     j = pl.program_id(0)
     limits = _limits(table_ref)
@@ -316,7 +336,7 @@ def _key_grads_kernel(
         key_grad += _dot(logits_grad.astype(query.dtype), query, (0, 0))  # (bk, H)
         return key_grad, value_grad
 
-    lo, hi = _query_blocks(config, j, limits, block_q, block_k)
+    lo, hi = _within_segments(*_query_blocks(config, j, limits, block_q, block_k), reach_ref)
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     key_grad, value_grad = lax.fori_loop(lo, hi, query_step, init)
     dk_ref[...] = (key_grad * config.scale).astype(dk_ref.dtype)
@@ -324,12 +344,25 @@ def _key_grads_kernel(
 
 
 def _query_grad_kernel(
-    table_ref, q_ref, k_ref, v_ref, row_ids_ref, key_ids_ref, do_ref, lse_ref, delta_ref, dq_ref, *, config
+    table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    row_ids_ref,
+    key_ids_ref,
+    reach_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    config,
 ):
     """dQ of one query block of one head, over the key blocks it reaches.
 
     q_ref and dq_ref `[bq, H]`, do_ref `[bq, Hv]`, lse_ref and delta_ref `[bq]`; k_ref
-    `[S, H]` and v_ref `[S, Hv]` (whole); segment ids `[bq]` and `[S]`."""
+    `[S, H]` and v_ref `[S, Hv]` (whole); segment ids `[bq]` and `[S]`, the key blocks sharing
+    one `[2]`."""
     block_q, block_k = config.blocks.backward_q, config.blocks.backward_k
     i = pl.program_id(0)
     limits = _limits(table_ref)
@@ -347,7 +380,7 @@ def _query_grad_kernel(
         _, logits_grad = _logits_grad(config, query, key, v_ref[span, :], out_grad, lse, delta, allowed)
         return query_grad + _dot(logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
 
-    lo, hi = _key_blocks(config, i, limits, block_q, block_k)
+    lo, hi = _within_segments(*_key_blocks(config, i, limits, block_q, block_k), reach_ref)
     query_grad = lax.fori_loop(lo, hi, key_step, jnp.zeros(dq_ref.shape, jnp.float32))
     dq_ref[...] = (query_grad * config.scale).astype(dq_ref.dtype)
 
@@ -365,7 +398,7 @@ def _compiler_params(config: _Config) -> Any:
 
 
 def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool, block: int) -> list:
-    """BlockSpecs of (table, q, k, v, row ids, key ids, dO, lse, delta) for a grid
+    """BlockSpecs of (table, q, k, v, row ids, key ids, reach, dO, lse, delta) for a grid
     `(blocks, B, N)` whose first axis runs over query blocks of `block` rows (`along_queries`;
     keys whole) or key blocks of `block` keys (queries whole). `shape`: (Tp, Sp, H, Hv)."""
     T, S, H, Hv = shape
@@ -378,11 +411,12 @@ def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool,
     def at_keys(blk):
         return 0 if along_queries else blk
 
-    segment_specs: list[Any] = [None, None]
+    segment_specs: list[Any] = [None, None, None]
     if config.segments:
         segment_specs = [
             pl.BlockSpec((None, rows), lambda blk, b, n: (b, at_rows(blk))),
             pl.BlockSpec((None, keys), lambda blk, b, n: (b, at_keys(blk))),
+            pl.BlockSpec((None, None, 2), lambda blk, b, n: (b, blk, 0)),
         ]
     return [
         pl.BlockSpec((None, 4), lambda blk, b, n: (b, 0)),
@@ -396,11 +430,30 @@ def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool,
     ]
 
 
+def _segment_reach(ids: Array | None, other_ids: Array | None, block: int, other_blocks: int):
+    """For each block of `block` positions of `ids` `[B, P]`, the blocks `[lo, hi)` of
+    `other_ids` `[B, Q]` (cut into `other_blocks`) whose range of ids overlaps its own, int32
+    `[B, P // block, 2]`; blocks outside it share no id with it. None without ids."""
+    if ids is None or other_ids is None:
+        return None
+    B = ids.shape[0]
+    blocks = ids.reshape(B, -1, block)  # (B, P/block, block)
+    others = other_ids.reshape(B, other_blocks, -1)  # (B, Q/other_block, other_block)
+    overlap = (others.min(-1)[:, None, :] <= blocks.max(-1)[:, :, None]) & (
+        others.max(-1)[:, None, :] >= blocks.min(-1)[:, :, None]
+    )  # (B, P/block, Q/other_block)
+    first = jnp.argmax(overlap, axis=-1)
+    end = other_blocks - jnp.argmax(overlap[..., ::-1], axis=-1)
+    reach = jnp.stack((first, end), axis=-1)  # (B, P/block, 2)
+    return jnp.where(overlap.any(-1)[..., None], reach, 0).astype(jnp.int32)
+
+
 def _forward_call(config: _Config, table, query, key, value, row_ids, key_ids):
     """The forward kernel over padded arrays: output `[B, Tp, N, Hv]`, lse `[B, N, Tp]`."""
     B, T, N, H = query.shape
     S, Hv = key.shape[1], value.shape[-1]
-    block_q = config.blocks.block_q
+    block_q, block_k = config.blocks.block_q, config.blocks.block_k
+    reach = _segment_reach(row_ids, key_ids, block_q, S // block_k)
     specs = _operand_specs(config, (T, S, H, Hv), True, block_q)
     return pl.pallas_call(
         functools.partial(_forward_kernel, config=config),
@@ -409,12 +462,12 @@ def _forward_call(config: _Config, table, query, key, value, row_ids, key_ids):
             jax.ShapeDtypeStruct((B, N, T), jnp.float32),
         ),
         grid=(T // block_q, B, N),
-        in_specs=specs[:6],
-        out_specs=(specs[6], specs[7]),
+        in_specs=specs[:7],
+        out_specs=(specs[7], specs[8]),
         interpret=config.interpret,
         compiler_params=_compiler_params(config),
         name="qkv_attention_forward",
-    )(table, query, key, value, row_ids, key_ids)
+    )(table, query, key, value, row_ids, key_ids, reach)
 
 
 def _backward_calls(config: _Config, operands: tuple, out_grad, lse, delta):
@@ -425,7 +478,8 @@ def _backward_calls(config: _Config, operands: tuple, out_grad, lse, delta):
     block_q, block_k = config.blocks.backward_q, config.blocks.backward_k
     shape = (T, S, H, Hv)
     common = dict(interpret=config.interpret, compiler_params=_compiler_params(config))
-    arguments = (*operands, out_grad, lse, delta)
+    reach = _segment_reach(row_ids, key_ids, block_q, S // block_k)
+    arguments = (*operands, reach, out_grad, lse, delta)
     query_specs = _operand_specs(config, shape, True, block_q)
     query_grad = pl.pallas_call(
         functools.partial(_query_grad_kernel, config=config),
@@ -436,6 +490,8 @@ def _backward_calls(config: _Config, operands: tuple, out_grad, lse, delta):
         name="qkv_attention_query_grad",
         **common,
     )(*arguments)
+    reach = _segment_reach(key_ids, row_ids, block_k, T // block_q)
+    arguments = (*operands, reach, out_grad, lse, delta)
     key_specs = _operand_specs(config, shape, False, block_k)
     per_head = pl.BlockSpec((None, block_k, None, H), lambda blk, b, n: (b, blk, n, 0))
     per_head_value = pl.BlockSpec((None, block_k, None, Hv), lambda blk, b, n: (b, blk, n, 0))
@@ -526,7 +582,7 @@ def _segment_rows(ids, batch: tuple[int, ...], length: int, padded: int) -> Arra
     if ids is None:
         return None
     ids = jnp.broadcast_to(per_example(jnp.asarray(ids), batch, (length,)), (math.prod(batch), length))
-    return _pad_to(ids.astype(jnp.int32), 1, padded)
+    return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, padded - length)), mode="edge")  # (B, padded)
 
 
 def _with_sinks(output: Array, lse: Array, sinks: Any, batch: tuple[int, ...]) -> tuple[Array, Array]:

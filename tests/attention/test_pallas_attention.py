@@ -217,15 +217,37 @@ def test_loops_reach_every_visible_pair_and_skip_the_band_outside():
         key_lengths=S - 2,
     )[0]  # (T, S)
     visible = allowed.reshape(T // block, block, S // block, block).any(axis=(1, 3))  # (query, key) blocks
-    query_blocks, key_blocks = np.arange(T // block), np.arange(S // block)
-    lo, hi = pallas._key_blocks(config, jnp.asarray(query_blocks, jnp.int32), limits, block, block)
+    query_blocks, key_blocks = np.arange(T // block, dtype=np.int32), np.arange(S // block, dtype=np.int32)
+    lo, hi = jax.jit(pallas._key_blocks, static_argnums=(0, 3, 4))(config, query_blocks, limits, block, block)
     forward = (key_blocks >= np.asarray(lo)[:, None]) & (key_blocks < np.asarray(hi)[:, None])
-    first, last = pallas._query_blocks(config, jnp.asarray(key_blocks, jnp.int32), limits, block, block)
+    first, last = jax.jit(pallas._query_blocks, static_argnums=(0, 3, 4))(
+        config, key_blocks, limits, block, block
+    )
     backward = (query_blocks[:, None] >= np.asarray(first)) & (query_blocks[:, None] < np.asarray(last))
     for reached in (forward, backward):
         assert (reached >= visible).all()
         assert reached.sum() <= visible.sum() + T // block  # at most one block more per row of blocks
         assert reached.sum() < visible.size / 2
+
+
+segment_reach = jax.jit(pallas._segment_reach, static_argnums=(2, 3))
+
+
+def test_segment_reach_holds_every_block_pair_sharing_an_id_and_skips_the_rest():
+    """Packed rows (ids rising along the sequence): the blocks a block reaches by segment ids
+    are exactly those sharing an id with it, both ways round."""
+    row_ids = np.repeat([[0, 1, 1, 2, 4, 4, 4, 4]], 8, axis=1)  # (1, 64): blocks of 8, 16
+    key_ids = np.repeat([[0, 0, 1, 2, 2, 3, 4, 5]], 6, axis=1)  # (1, 48)
+    for ids, other, block, other_block in ((row_ids, key_ids, 8, 16), (key_ids, row_ids, 16, 8)):
+        reach = np.asarray(segment_reach(ids, other, block, other.shape[1] // other_block))  # (1, blocks, 2)
+        blocks = ids[0].reshape(-1, block)
+        other_blocks = other[0].reshape(-1, other_block)
+        shares = (blocks[:, :, None, None] == other_blocks[None, None]).any(
+            axis=(1, 3)
+        )  # (blocks, other blocks)
+        positions = np.arange(len(other_blocks))
+        reached = (positions >= reach[0, :, :1]) & (positions < reach[0, :, 1:])
+        np.testing.assert_array_equal(reached, shares)
 
 
 def test_refusals_in_one_line():
@@ -239,7 +261,7 @@ def test_refusals_in_one_line():
 
 
 @pytest.mark.skipif(pallas._TRITON_PARAMS is None, reason="this jax has no Pallas Triton backend")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_kernels_lower_through_triton_for_a_gpu(dtype):
     """Lowered for CUDA from this machine, forward and backward become three Triton kernels:
     every primitive has a Triton lowering rule and every loaded block is a power of two."""
