@@ -69,7 +69,13 @@ Array = jax.Array
 
 __all__ = ["pallas_attention", "BlockSizes", "default_block_sizes"]
 
-_DOT_PRECISION = lax.Precision.HIGHEST  # IEEE float32 on Triton for float32 operands
+# How the dots of float32 operands run on a GPU, by `precision` (16-bit operands run as they
+# are): IEEE float32 (the default), three TF32 passes, or one. Interpret mode runs float32.
+_FLOAT32_DOTS: dict[str, Any] = {
+    "highest": lax.Precision.HIGHEST,  # Triton's InputPrecision.IEEE
+    "high": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,  # InputPrecision.TF32x3
+    "default": lax.DotAlgorithmPreset.TF32_TF32_F32,  # InputPrecision.TF32
+}
 
 
 class BlockSizes(NamedTuple):
@@ -122,6 +128,7 @@ class _Config:
     query_lengths: bool  # rows at or past a query length see nothing
     limit_keys: bool  # keys at or past the key length (S, or the lengths) are masked
     interpret: bool
+    precision: str  # of float32 dots on a GPU: a key of `_FLOAT32_DOTS`
     num_warps: int
     num_stages: int
 
@@ -217,16 +224,20 @@ def _allowed(config: _Config, rows, keys, limits: _Limits, row_ids, key_ids) -> 
     return functools.reduce(jnp.logical_and, masks)
 
 
-def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
-    """2-D `a . b` contracting axis `contract[0]` of a with `contract[1]` of b, in float32."""
+def _dot(config: _Config, a: Array, b: Array, contract: tuple[int, int]) -> Array:
+    """2-D `a . b` contracting axis `contract[0]` of a with `contract[1]` of b, in float32, at
+    the call's precision where both operands are float32 (on a GPU)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=_DOT_PRECISION, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST
+    if not config.interpret and a.dtype == b.dtype == jnp.float32:
+        precision = _FLOAT32_DOTS[config.precision]
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _tile_logits(config: _Config, query, key, allowed):
     """Scaled, soft-capped, masked logits `[bq, bk]` (-inf where not allowed) of query `[bq, H]`
     and key `[bk, H]`, and the soft cap's slope (0 where masked; None without a cap)."""
-    logits = _dot(query, key, (1, 1)) * config.scale  # (bq, bk)
+    logits = _dot(config, query, key, (1, 1)) * config.scale  # (bq, bk)
     slope = None
     if config.soft_cap is not None:
         capped = jnp.tanh(logits / config.soft_cap)
@@ -263,7 +274,7 @@ def _forward_kernel(
         weights = jnp.exp(logits - shift[:, None])  # (bq, bk)
         rescale = jnp.exp(row_max - shift)  # (bq,)
         value = v_ref[pl.ds(start, block_k), :]  # (bk, Hv)
-        blended = _dot(weights.astype(value.dtype), value, (1, 0))  # (bq, Hv)
+        blended = _dot(config, weights.astype(value.dtype), value, (1, 0))  # (bq, Hv)
         return (
             new_max,
             normaliser * rescale + jnp.sum(weights, axis=1),
@@ -287,7 +298,7 @@ def _logits_grad(config: _Config, query, key, value, out_grad, lse, delta, allow
     cap): `dS = P * (dO V^T - D)`, with `lse` finite (0 for rows that attend nothing)."""
     logits, slope = _tile_logits(config, query, key, allowed)
     weights = jnp.exp(logits - lse[:, None])  # (bq, bk)
-    weights_grad = _dot(out_grad, value, (1, 1))  # (bq, bk)
+    weights_grad = _dot(config, out_grad, value, (1, 1))  # (bq, bk)
     logits_grad = weights * (weights_grad - delta[:, None])
     if slope is not None:
         logits_grad = logits_grad * slope
@@ -332,8 +343,8 @@ def _key_grads_kernel(
         weights, logits_grad = _logits_grad(
             config, query, key, value, out_grad, lse_ref[rows], delta_ref[rows], allowed
         )
-        value_grad += _dot(weights.astype(out_grad.dtype), out_grad, (0, 0))  # (bk, Hv)
-        key_grad += _dot(logits_grad.astype(query.dtype), query, (0, 0))  # (bk, H)
+        value_grad += _dot(config, weights.astype(out_grad.dtype), out_grad, (0, 0))  # (bk, Hv)
+        key_grad += _dot(config, logits_grad.astype(query.dtype), query, (0, 0))  # (bk, H)
         return key_grad, value_grad
 
     lo, hi = _within_segments(*_query_blocks(config, j, limits, block_q, block_k), reach_ref)
@@ -378,7 +389,7 @@ def _query_grad_kernel(
         allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
         key = k_ref[span, :]  # (bk, H)
         _, logits_grad = _logits_grad(config, query, key, v_ref[span, :], out_grad, lse, delta, allowed)
-        return query_grad + _dot(logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
+        return query_grad + _dot(config, logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
 
     lo, hi = _within_segments(*_key_blocks(config, i, limits, block_q, block_k), reach_ref)
     query_grad = lax.fori_loop(lo, hi, key_step, jnp.zeros(dq_ref.shape, jnp.float32))
@@ -609,6 +620,17 @@ def _scaled(query: Array, scale: Any, depth: int, dtype) -> tuple[Array, float]:
     return (query.astype(wide) * jnp.asarray(scale, wide)).astype(dtype), 1.0
 
 
+def _precision_name(precision: str | None) -> str:
+    """`precision` as a key of `_FLOAT32_DOTS` (None: "highest"); ValueError otherwise."""
+    name = "highest" if precision is None else str(precision).lower()
+    name = {"float32": "highest", "tensorfloat32": "default", "bfloat16": "default"}.get(name, name)
+    if name not in _FLOAT32_DOTS:
+        raise ValueError(
+            f"pallas_attention: precision must be None, 'highest', 'high' or 'default', got {precision!r}"
+        )
+    return name
+
+
 def _padded_length(n: int, *blocks: int) -> int:
     block = max(blocks)
     return -(-n // block) * block
@@ -630,11 +652,12 @@ def pallas_attention(
     logits_soft_cap: float | None = None,
     sinks: Array | None = None,
     return_residual: bool = False,
+    precision: str | None = None,
     block_sizes: BlockSizes | tuple[int, int, int, int] | None = None,
     interpret: bool | None = None,
 ) -> Array | tuple[Array, Array]:
     """Fused attention (module docstring): `chunked_attention`'s arguments and meanings, less
-    the bias, the mask and the precision (dots run in float32, `_DOT_PRECISION`).
+    the bias and the mask.
 
     query `[batch..., T, N, H]`, key `[batch..., S, K, H]` (K divides N), value
     `[batch..., S, K, Hv]`; returns `[batch..., T, N, Hv]` in the inputs' result dtype (and,
@@ -642,6 +665,10 @@ def pallas_attention(
     row with no key and no sink; it passes no gradient). A row that attends no key gives
     zeros. Differentiable in query, key, value, an array `scale` and `sinks`.
 
+    precision: how dots of float32 operands run on a GPU: None or "highest" in IEEE float32,
+      "high" as three TF32 passes (about float32's accuracy on tensor cores), "default" as
+      one TF32 pass. 16-bit operands run as they are, accumulating in float32; interpret
+      mode computes in float32.
     block_sizes: `BlockSizes` (powers of two, >= 16 on a GPU); None: `default_block_sizes`.
     interpret: run in Pallas' interpret mode; None: unless the default backend is a GPU.
     """
@@ -671,6 +698,7 @@ def pallas_attention(
         query_lengths=query_seq_lengths is not None,
         limit_keys=key_value_seq_lengths is not None or S_pad != S,
         interpret=interpret,
+        precision=_precision_name(precision),
         num_warps=4 if max(depth, value_depth) <= 64 else 8,
         num_stages=2,
     )

@@ -293,3 +293,19 @@ def test_kernels_lower_through_triton_for_a_gpu(dtype):
     assert text.count("__gpu$xla.gpu.triton") == 3
     for name in ("qkv_attention_forward", "qkv_attention_query_grad", "qkv_attention_key_grads"):
         assert f'name = "{name}"' in text
+
+
+@pytest.mark.skipif(pallas._TRITON_PARAMS is None, reason="this jax has no Pallas Triton backend")
+def test_float32_precisions_lower_for_a_gpu():
+    """Each precision of float32 dots lowers through Triton, to a different kernel."""
+    query = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.float32)
+    texts = set()
+    for precision in ("highest", "high", "default"):
+        attend = jax.jit(
+            functools.partial(pallas_attention, is_causal=True, precision=precision, interpret=False)
+        )
+        text = attend.trace(query, query, query).lower(lowering_platforms=("cuda",)).as_text()
+        texts.add(text[text.index("__gpu$xla.gpu.triton") :])
+    assert len(texts) == 3
+    with pytest.raises(ValueError, match="precision must be None, 'highest', 'high' or 'default'"):
+        pallas_attention(query, query, query, precision="fp8")
