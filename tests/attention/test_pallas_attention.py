@@ -201,6 +201,7 @@ def test_loops_reach_every_visible_pair_and_skip_the_band_outside():
         query_lengths=True,
         limit_keys=True,
         interpret=True,
+        precision="highest",
         num_warps=4,
         num_stages=2,
     )
