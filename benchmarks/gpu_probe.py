@@ -5,8 +5,9 @@ jax.nn's cuDNN and XLA paths, qkv_jax's own paths, tokamax's kernels where tokam
 (its Mosaic GPU and Triton implementations), jax's bundled Pallas GPU attention, and torch's
 SDPA and compiled flex_attention, for plain causal, a causal left window, a two-sided window
 a logit soft cap, two packed segments per row and a sink per head; float32 at H64.
-qkv_jax's "pallas" rows also give its largest difference from "chunked" (output and each
-gradient, relative to the largest entry), a check of the kernel on the GPU. Each case is
+qkv_jax's "pallas" rows also give its largest difference from the reference path (output
+and each gradient, relative to the largest entry), a check of the kernel on the GPU, and
+other tiles (bf16) and precisions (float32) of it are timed beside its defaults. Each case is
 skipped with its reason when it fails, and no case starts after --budget-s.
 
     python benchmarks/gpu_probe.py --out results.json   # on the GPU machine
@@ -43,6 +44,9 @@ OPTIONS = {
 QKV_PATHS = {option: (None, "xla", "pallas") for option in OPTIONS}
 QKV_PATHS["causal"] = (None, "xla", "chunked", "pallas")
 QKV_PATHS["sinks_causal"] = (None, "pallas")  # jax.nn's XLA path has no sinks
+# Tiles of "pallas" timed beside its defaults at bf16 causal: (block_q, block_k, backward_q,
+# backward_k).
+PALLAS_BLOCK_VARIANTS = ((64, 64, 32, 32), (128, 128, 64, 64), (64, 64, 64, 64))
 
 
 def segment_ids(shape):
@@ -161,25 +165,45 @@ def jax_cases(shape, dtype):
     return cases
 
 
-def pallas_errors(option, q, k, v, ct):
-    """The largest differences of "pallas" from "chunked" (float32 accumulation, another
-    algorithm) in the output and in each gradient, relative to the largest entry of each."""
+def pallas_errors(option, q, k, v, ct, fwd, train):
+    """The largest differences of "pallas" (its compiled `fwd` and `train`) from the reference
+    path (float32 logits over the whole [T, S]) in the output and in each gradient, relative
+    to the largest entry of each."""
     kw = option_keywords(option, q.shape)
-
-    def attend(impl):
-        return lambda q, k, v: qkv_jax.dot_product_attention(q, k, v, implementation=impl, **kw)
-
+    ref_fwd, ref_train = forward_and_train(
+        lambda q, k, v: qkv_jax.dot_product_attention(q, k, v, implementation="reference", **kw)
+    )
     errors = {}
-    results = {}
-    for impl in ("pallas", "chunked"):
-        fwd, train = forward_and_train(attend(impl))
-        results[impl] = (fwd(q, k, v), *train(q, k, v, ct))
-    for name, got, want in zip(
-        ("output", "dq", "dk", "dv"), results["pallas"], results["chunked"], strict=True
-    ):
+    got_all, want_all = (fwd(q, k, v), *train(q, k, v, ct)), (ref_fwd(q, k, v), *ref_train(q, k, v, ct))
+    for name, got, want in zip(("output", "dq", "dk", "dv"), got_all, want_all, strict=True):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         errors[name] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
     return errors
+
+
+def pallas_variants(dtype_name):
+    """(name, option, attend) of other tiles (bf16) or precisions (float32) of "pallas"."""
+    from qkv_jax.attention.pallas import pallas_attention
+
+    if dtype_name == "float32":
+        return [
+            (
+                f"qkv_jax[pallas,precision={precision}]",
+                "causal",
+                lambda q, k, v, p=precision: qkv_jax.dot_product_attention(
+                    q, k, v, is_causal=True, implementation="pallas", precision=p
+                ),
+            )
+            for precision in ("high", "default")
+        ]
+    return [
+        (
+            f"pallas_attention[blocks={','.join(map(str, blocks))}]",
+            "causal",
+            lambda q, k, v, b=blocks: pallas_attention(q, k, v, is_causal=True, block_sizes=b),
+        )
+        for blocks in PALLAS_BLOCK_VARIANTS
+    ]
 
 
 def torch_cases(shape, dtype_name):
@@ -267,7 +291,7 @@ def run(args):
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v, ct = (jax.random.normal(key, shape, dtype) for key in keys)
         ct = ct.astype(jnp.float32)
-        cases = jax_cases(shape, dtype)
+        cases = jax_cases(shape, dtype) + pallas_variants(dtype_name)
         if dtype_name == "float32":
             cases = [c for c in cases if c[1] == "causal"]
         for name, option, attend in cases:
@@ -280,7 +304,7 @@ def run(args):
                 row["forward_ms"] = time_jax(fwd, q, k, v)
                 row["train_ms"] = time_jax(train, q, k, v, ct)
                 if name == "qkv_jax[pallas]":
-                    row["relative_error_vs_chunked"] = pallas_errors(option, q, k, v, ct)
+                    row["relative_error_vs_reference"] = pallas_errors(option, q, k, v, ct, fwd, train)
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             results.append(row)
@@ -306,9 +330,9 @@ def run(args):
 
 
 def error_note(row):
-    """The largest relative difference from "chunked" of a row that has one."""
-    errors = row.get("relative_error_vs_chunked")
-    return "" if not errors else f"max rel. error vs chunked {max(errors.values()):.2e}"
+    """The largest relative difference from the reference path of a row that has one."""
+    errors = row.get("relative_error_vs_reference")
+    return "" if not errors else f"max rel. error vs reference {max(errors.values()):.2e}"
 
 
 def main():
