@@ -24,7 +24,8 @@ sequence lengths. The loops run only over the blocks the causal triangle, the
 window and the lengths leave within reach (where a window's speed comes
 from), and, with segment ids, between the first and the last block whose
 range of ids overlaps the block's own (exact for packed sequences, whose ids
-do not decrease); inside a block the rules mask. A soft cap `c * tanh(logits / c)` is
+do not decrease); inside a block the rules mask, except in blocks whose
+every pair they allow, which each loop runs apart without a mask. A soft cap `c * tanh(logits / c)` is
 applied before masking and its slope recomputed backward; sinks act after the
 kernel, `output * sigmoid(lse - sink)`, so they are differentiable through
 plain JAX.
@@ -193,6 +194,57 @@ def _query_blocks(
     return lo, jnp.maximum(lo, hi)
 
 
+def _whole_key_blocks(config: _Config, i: Array, limits: _Limits, block_q: int, block_k: int):
+    """Key blocks `[lo, hi)` whose every key every row of query block i may see: tiles that
+    need no mask (none with segment ids)."""
+    first_row = i * block_q
+    last_row = first_row + (block_q - 1)
+    lo, hi = jnp.int32(0), lax.div(jnp.maximum(limits.key_length, 0), jnp.int32(block_k))
+    if config.segments:
+        return lo, lo
+    if config.is_causal:  # the block's last key at most the first row's position
+        hi = jnp.minimum(hi, lax.div(jnp.maximum(first_row + limits.offset + 1, 0), jnp.int32(block_k)))
+    if config.window is not None:
+        left, right = config.window
+        hi = jnp.minimum(
+            hi, lax.div(jnp.maximum(first_row + limits.offset + right + 1, 0), jnp.int32(block_k))
+        )
+        lo = _ceil_div(jnp.maximum(last_row + limits.offset - left, 0), block_k)
+    if config.query_lengths:
+        hi = jnp.where(last_row < limits.query_length, hi, 0)
+    return lo, hi
+
+
+def _whole_query_blocks(config: _Config, j: Array, limits: _Limits, block_q: int, block_k: int):
+    """Query blocks `[lo, hi)` whose every row may see every key of key block j: tiles that
+    need no mask (none with segment ids)."""
+    first_key = j * block_k
+    last_key = first_key + (block_k - 1)
+    lo, hi = jnp.int32(0), lax.div(jnp.maximum(limits.query_length, 0), jnp.int32(block_q))
+    if config.segments:
+        return lo, lo
+    hi = jnp.where(last_key < limits.key_length, hi, 0)
+    if config.is_causal:  # the block's first row at or past the last key's position
+        lo = _ceil_div(jnp.maximum(last_key - limits.offset, 0), block_q)
+    if config.window is not None:
+        left, right = config.window
+        lo = jnp.maximum(lo, _ceil_div(jnp.maximum(last_key - limits.offset - right, 0), block_q))
+        hi = jnp.minimum(
+            hi, lax.div(jnp.maximum(first_key - limits.offset + left + 1, 0), jnp.int32(block_q))
+        )
+    return lo, hi
+
+
+def _split_loop(lo: Array, hi: Array, whole: tuple[Array, Array], step, init):
+    """`lax.fori_loop(lo, hi, step(masked), init)` as three loops: `step(False)` (no mask) over
+    the blocks of `whole` within `[lo, hi)`, `step(True)` over those before and after."""
+    first = jnp.clip(whole[0], lo, hi)
+    end = jnp.clip(whole[1], first, hi)
+    carry = lax.fori_loop(lo, first, step(True), init)
+    carry = lax.fori_loop(first, end, step(False), carry)
+    return lax.fori_loop(end, hi, step(True), carry)
+
+
 def _within_segments(lo: Array, hi: Array, reach_ref) -> tuple[Array, Array]:
     """`[lo, hi)` narrowed to the blocks that share a segment id with this one (`reach_ref`
     `[2]`, from `_segment_reach`; None without segment ids)."""
@@ -263,11 +315,11 @@ def _forward_kernel(
     rows = i * block_q + _iota(block_q)
     row_ids = None if row_ids_ref is None else row_ids_ref[...]
 
-    def key_step(j, carry):
+    def key_step(masked, j, carry):
         row_max, normaliser, accumulator = carry
         start = pl.multiple_of(j * block_k, block_k)
         key_ids = None if key_ids_ref is None else key_ids_ref[pl.ds(start, block_k)]
-        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
+        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids) if masked else None
         logits, _ = _tile_logits(config, query, k_ref[pl.ds(start, block_k), :], allowed)  # (bq, bk)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))  # (bq,)
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite for rows with nothing yet
@@ -287,7 +339,10 @@ def _forward_kernel(
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, out_ref.shape[-1]), jnp.float32),
     )
-    row_max, normaliser, accumulator = lax.fori_loop(lo, hi, key_step, init)
+    whole = _whole_key_blocks(config, i, limits, block_q, block_k)
+    row_max, normaliser, accumulator = _split_loop(
+        lo, hi, whole, lambda masked: functools.partial(key_step, masked), init
+    )
     has_mass = normaliser > 0
     out_ref[...] = (accumulator / jnp.where(has_mass, normaliser, 1.0)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, normaliser, 1.0)), -jnp.inf)
@@ -333,12 +388,12 @@ def _key_grads_kernel(
     keys = j * block_k + _iota(block_k)
     key_ids = None if key_ids_ref is None else key_ids_ref[...]
 
-    def query_step(i, carry):
+    def query_step(masked, i, carry):
         key_grad, value_grad = carry
         start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(start, block_q)
         row_ids = None if row_ids_ref is None else row_ids_ref[rows]
-        allowed = _allowed(config, start + _iota(block_q), keys, limits, row_ids, key_ids)
+        allowed = _allowed(config, start + _iota(block_q), keys, limits, row_ids, key_ids) if masked else None
         query, out_grad = q_ref[rows, :], do_ref[rows, :]  # (bq, H), (bq, Hv)
         weights, logits_grad = _logits_grad(
             config, query, key, value, out_grad, lse_ref[rows], delta_ref[rows], allowed
@@ -349,7 +404,10 @@ def _key_grads_kernel(
 
     lo, hi = _within_segments(*_query_blocks(config, j, limits, block_q, block_k), reach_ref)
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    key_grad, value_grad = lax.fori_loop(lo, hi, query_step, init)
+    whole = _whole_query_blocks(config, j, limits, block_q, block_k)
+    key_grad, value_grad = _split_loop(
+        lo, hi, whole, lambda masked: functools.partial(query_step, masked), init
+    )
     dk_ref[...] = (key_grad * config.scale).astype(dk_ref.dtype)
     dv_ref[...] = value_grad.astype(dv_ref.dtype)
 
@@ -382,17 +440,19 @@ def _query_grad_kernel(
     rows = i * block_q + _iota(block_q)
     row_ids = None if row_ids_ref is None else row_ids_ref[...]
 
-    def key_step(j, query_grad):
+    def key_step(masked, j, query_grad):
         start = pl.multiple_of(j * block_k, block_k)
         span = pl.ds(start, block_k)
         key_ids = None if key_ids_ref is None else key_ids_ref[span]
-        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
+        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids) if masked else None
         key = k_ref[span, :]  # (bk, H)
         _, logits_grad = _logits_grad(config, query, key, v_ref[span, :], out_grad, lse, delta, allowed)
         return query_grad + _dot(config, logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
 
     lo, hi = _within_segments(*_key_blocks(config, i, limits, block_q, block_k), reach_ref)
-    query_grad = lax.fori_loop(lo, hi, key_step, jnp.zeros(dq_ref.shape, jnp.float32))
+    whole = _whole_key_blocks(config, i, limits, block_q, block_k)
+    init = jnp.zeros(dq_ref.shape, jnp.float32)
+    query_grad = _split_loop(lo, hi, whole, lambda masked: functools.partial(key_step, masked), init)
     dq_ref[...] = (query_grad * config.scale).astype(dq_ref.dtype)
 
 

@@ -55,18 +55,18 @@ CASES = {
         1,
         16,
         16,
-        dict(is_causal=True, local_window_size=(9, 0), lengths=True, sinks=(1, 2, 4), logits_soft_cap=5.0),
+        dict(is_causal=True, local_window_size=(20, 0), lengths=True, sinks=(1, 2, 4), logits_soft_cap=5.0),
     ),
-    "f32 unbatched, two-sided window T>S, static offset, segments, array scale": (
+    "f32 unbatched, two-sided window, static offset, array scale": (
         np.float32,
         (),
         28,
-        19,
+        40,
         2,
         2,
         8,
         8,
-        dict(local_window_size=(3, 5), query_offset=-4, segments=True, scale=0.4),
+        dict(local_window_size=(10, 12), query_offset=-14, scale=0.4),
     ),
 }
 FAST = "f32 gqa mla: causal offsets T<S, window, segments, lengths, soft cap, sinks"
@@ -185,16 +185,25 @@ def test_more_options(name):
     check_case(name)
 
 
-def test_loops_reach_every_visible_pair_and_skip_the_band_outside():
-    """The block bounds of both passes hold every pair the rules allow, and skip most blocks."""
-    T, S, block, offset, window = 40, 48, 8, 5, (6, 3)
+def reached_blocks(bounds, config, blocks, limits, other_blocks, block):
+    """Boolean `[blocks, other blocks]`: which blocks the loop of each block runs over, by
+    `bounds` (one of pallas' `_key_blocks`, `_query_blocks`, `_whole_...`)."""
+    lo, hi = jax.jit(bounds, static_argnums=(0, 3, 4))(config, blocks, limits, block, block)
+    return (other_blocks >= np.asarray(lo)[:, None]) & (other_blocks < np.asarray(hi)[:, None])
+
+
+@pytest.mark.parametrize("is_causal,window", [(True, (20, 3)), (False, (13, 19))])
+def test_loops_reach_every_visible_pair_and_skip_the_band_outside(is_causal, window):
+    """The block bounds of both passes hold every pair the rules allow and skip most blocks;
+    the blocks they run without a mask are exactly those whose every pair is allowed."""
+    T, S, block, offset = 88, 96, 8, 5
     config = pallas._Config(
         T=T,
         S=S,
         G=1,
         blocks=pallas.BlockSizes(block, block, block, block),
         scale=1.0,
-        is_causal=True,
+        is_causal=is_causal,
         window=window,
         soft_cap=None,
         segments=False,
@@ -206,29 +215,23 @@ def test_loops_reach_every_visible_pair_and_skip_the_band_outside():
         num_stages=2,
     )
     limits = pallas._Limits(jnp.int32(offset), jnp.int32(T - 3), jnp.int32(S - 2))
-    allowed = ref.allowed_pairs(
-        (),
-        1,
-        T,
-        S,
-        is_causal=True,
-        window=window,
-        query_offset=offset,
-        query_lengths=T - 3,
-        key_lengths=S - 2,
-    )[0]  # (T, S)
-    visible = allowed.reshape(T // block, block, S // block, block).any(axis=(1, 3))  # (query, key) blocks
-    query_blocks, key_blocks = np.arange(T // block, dtype=np.int32), np.arange(S // block, dtype=np.int32)
-    lo, hi = jax.jit(pallas._key_blocks, static_argnums=(0, 3, 4))(config, query_blocks, limits, block, block)
-    forward = (key_blocks >= np.asarray(lo)[:, None]) & (key_blocks < np.asarray(hi)[:, None])
-    first, last = jax.jit(pallas._query_blocks, static_argnums=(0, 3, 4))(
-        config, key_blocks, limits, block, block
+    rules = dict(
+        is_causal=is_causal, window=window, query_offset=offset, query_lengths=T - 3, key_lengths=S - 2
     )
-    backward = (query_blocks[:, None] >= np.asarray(first)) & (query_blocks[:, None] < np.asarray(last))
+    allowed = ref.allowed_pairs((), 1, T, S, **rules)[0].reshape(T // block, block, S // block, block)
+    visible, whole = allowed.any(axis=(1, 3)), allowed.all(axis=(1, 3))  # (query blocks, key blocks)
+    query_blocks, key_blocks = np.arange(T // block, dtype=np.int32), np.arange(S // block, dtype=np.int32)
+    forward = reached_blocks(pallas._key_blocks, config, query_blocks, limits, key_blocks, block)
+    backward = reached_blocks(pallas._query_blocks, config, key_blocks, limits, query_blocks, block).T
     for reached in (forward, backward):
         assert (reached >= visible).all()
         assert reached.sum() <= visible.sum() + T // block  # at most one block more per row of blocks
         assert reached.sum() < visible.size / 2
+    assert whole.any()
+    unmasked = reached_blocks(pallas._whole_key_blocks, config, query_blocks, limits, key_blocks, block)
+    np.testing.assert_array_equal(unmasked, whole)  # exact: the rules here make a band
+    unmasked = reached_blocks(pallas._whole_query_blocks, config, key_blocks, limits, query_blocks, block)
+    np.testing.assert_array_equal(unmasked.T, whole)
 
 
 segment_reach = jax.jit(pallas._segment_reach, static_argnums=(2, 3))
