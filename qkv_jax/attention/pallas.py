@@ -194,14 +194,14 @@ def _query_blocks(
     return lo, jnp.maximum(lo, hi)
 
 
-def _whole_key_blocks(config: _Config, i: Array, limits: _Limits, block_q: int, block_k: int):
-    """Key blocks `[lo, hi)` whose every key every row of query block i may see: tiles that
-    need no mask (none with segment ids)."""
+def _whole_key_blocks(
+    config: _Config, i: Array, limits: _Limits, block_q: int, block_k: int
+) -> tuple[Array, Array]:
+    """Key blocks `[lo, hi)` whose every key every row of query block i may see by the band
+    and the lengths (segment ids: `_within_segments`)."""
     first_row = i * block_q
     last_row = first_row + (block_q - 1)
     lo, hi = jnp.int32(0), lax.div(jnp.maximum(limits.key_length, 0), jnp.int32(block_k))
-    if config.segments:
-        return lo, lo
     if config.is_causal:  # the block's last key at most the first row's position
         hi = jnp.minimum(hi, lax.div(jnp.maximum(first_row + limits.offset + 1, 0), jnp.int32(block_k)))
     if config.window is not None:
@@ -215,14 +215,14 @@ def _whole_key_blocks(config: _Config, i: Array, limits: _Limits, block_q: int, 
     return lo, hi
 
 
-def _whole_query_blocks(config: _Config, j: Array, limits: _Limits, block_q: int, block_k: int):
-    """Query blocks `[lo, hi)` whose every row may see every key of key block j: tiles that
-    need no mask (none with segment ids)."""
+def _whole_query_blocks(
+    config: _Config, j: Array, limits: _Limits, block_q: int, block_k: int
+) -> tuple[Array, Array]:
+    """Query blocks `[lo, hi)` whose every row may see every key of key block j by the band and
+    the lengths (segment ids: `_within_segments`)."""
     first_key = j * block_k
     last_key = first_key + (block_k - 1)
     lo, hi = jnp.int32(0), lax.div(jnp.maximum(limits.query_length, 0), jnp.int32(block_q))
-    if config.segments:
-        return lo, lo
     hi = jnp.where(last_key < limits.key_length, hi, 0)
     if config.is_causal:  # the block's first row at or past the last key's position
         lo = _ceil_div(jnp.maximum(last_key - limits.offset, 0), block_q)
@@ -245,13 +245,15 @@ def _split_loop(lo: Array, hi: Array, whole: tuple[Array, Array], step, init):
     return lax.fori_loop(end, hi, step(True), carry)
 
 
-def _within_segments(lo: Array, hi: Array, reach_ref) -> tuple[Array, Array]:
-    """`[lo, hi)` narrowed to the blocks that share a segment id with this one (`reach_ref`
-    `[2]`, from `_segment_reach`; None without segment ids)."""
+def _within_segments(lo: Array, hi: Array, reach_ref, whole: bool = False) -> tuple[Array, Array]:
+    """`[lo, hi)` narrowed to the blocks that share a segment id with this one, or with
+    `whole`, to those whose ids all equal this block's one id (`reach_ref` `[4]`, from
+    `_segment_reach`; None without segment ids)."""
     if reach_ref is None:
         return lo, hi
-    lo = jnp.maximum(lo, reach_ref[0])
-    return lo, jnp.maximum(lo, jnp.minimum(hi, reach_ref[1]))
+    at = 2 if whole else 0
+    lo = jnp.maximum(lo, reach_ref[at])
+    return lo, jnp.maximum(lo, jnp.minimum(hi, reach_ref[at + 1]))
 
 
 def _allowed(config: _Config, rows, keys, limits: _Limits, row_ids, key_ids) -> Array | None:
@@ -339,7 +341,7 @@ def _forward_kernel(
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, out_ref.shape[-1]), jnp.float32),
     )
-    whole = _whole_key_blocks(config, i, limits, block_q, block_k)
+    whole = _within_segments(*_whole_key_blocks(config, i, limits, block_q, block_k), reach_ref, whole=True)
     row_max, normaliser, accumulator = _split_loop(
         lo, hi, whole, lambda masked: functools.partial(key_step, masked), init
     )
@@ -404,7 +406,7 @@ def _key_grads_kernel(
 
     lo, hi = _within_segments(*_query_blocks(config, j, limits, block_q, block_k), reach_ref)
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    whole = _whole_query_blocks(config, j, limits, block_q, block_k)
+    whole = _within_segments(*_whole_query_blocks(config, j, limits, block_q, block_k), reach_ref, whole=True)
     key_grad, value_grad = _split_loop(
         lo, hi, whole, lambda masked: functools.partial(query_step, masked), init
     )
@@ -450,7 +452,7 @@ def _query_grad_kernel(
         return query_grad + _dot(config, logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
 
     lo, hi = _within_segments(*_key_blocks(config, i, limits, block_q, block_k), reach_ref)
-    whole = _whole_key_blocks(config, i, limits, block_q, block_k)
+    whole = _within_segments(*_whole_key_blocks(config, i, limits, block_q, block_k), reach_ref, whole=True)
     init = jnp.zeros(dq_ref.shape, jnp.float32)
     query_grad = _split_loop(lo, hi, whole, lambda masked: functools.partial(key_step, masked), init)
     dq_ref[...] = (query_grad * config.scale).astype(dq_ref.dtype)
@@ -487,7 +489,7 @@ def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool,
         segment_specs = [
             pl.BlockSpec((None, rows), lambda blk, b, n: (b, at_rows(blk))),
             pl.BlockSpec((None, keys), lambda blk, b, n: (b, at_keys(blk))),
-            pl.BlockSpec((None, None, 2), lambda blk, b, n: (b, blk, 0)),
+            pl.BlockSpec((None, None, 4), lambda blk, b, n: (b, blk, 0)),
         ]
     return [
         pl.BlockSpec((None, 4), lambda blk, b, n: (b, 0)),
@@ -501,22 +503,33 @@ def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool,
     ]
 
 
+def _first_and_end(chosen: Array, contiguous: bool = False) -> Array:
+    """`[first, last + 1]` of the True entries along the last axis of `chosen` `[..., n]`, int32
+    `[..., 2]`; `[0, 0]` where there are none (with `contiguous`, also where they have gaps)."""
+    n = chosen.shape[-1]
+    first = jnp.argmax(chosen, axis=-1)
+    end = n - jnp.argmax(chosen[..., ::-1], axis=-1)
+    keep = chosen.any(-1)
+    if contiguous:
+        keep &= chosen.sum(-1) == end - first
+    return jnp.where(keep[..., None], jnp.stack((first, end), axis=-1), 0).astype(jnp.int32)
+
+
 def _segment_reach(ids: Array | None, other_ids: Array | None, block: int, other_blocks: int):
-    """For each block of `block` positions of `ids` `[B, P]`, the blocks `[lo, hi)` of
-    `other_ids` `[B, Q]` (cut into `other_blocks`) whose range of ids overlaps its own, int32
-    `[B, P // block, 2]`; blocks outside it share no id with it. None without ids."""
+    """For each block of `block` positions of `ids` `[B, P]`, int32 `[B, P // block, 4]`: the
+    blocks `[lo, hi)` of `other_ids` `[B, Q]` (cut into `other_blocks`) whose range of ids
+    overlaps its own (those outside share no id with it), then the blocks whose ids all
+    equal its own single id (a run without gaps, else none). None without ids."""
     if ids is None or other_ids is None:
         return None
     B = ids.shape[0]
     blocks = ids.reshape(B, -1, block)  # (B, P/block, block)
     others = other_ids.reshape(B, other_blocks, -1)  # (B, Q/other_block, other_block)
-    overlap = (others.min(-1)[:, None, :] <= blocks.max(-1)[:, :, None]) & (
-        others.max(-1)[:, None, :] >= blocks.min(-1)[:, :, None]
-    )  # (B, P/block, Q/other_block)
-    first = jnp.argmax(overlap, axis=-1)
-    end = other_blocks - jnp.argmax(overlap[..., ::-1], axis=-1)
-    reach = jnp.stack((first, end), axis=-1)  # (B, P/block, 2)
-    return jnp.where(overlap.any(-1)[..., None], reach, 0).astype(jnp.int32)
+    low, high = blocks.min(-1)[:, :, None], blocks.max(-1)[:, :, None]  # (B, P/block, 1)
+    other_low, other_high = others.min(-1)[:, None, :], others.max(-1)[:, None, :]  # (B, 1, Q/ob)
+    overlap = (other_low <= high) & (other_high >= low)  # (B, P/block, Q/other_block)
+    same = (low == high) & (other_low == other_high) & (other_low == low)
+    return jnp.concatenate((_first_and_end(overlap), _first_and_end(same, contiguous=True)), axis=-1)
 
 
 def _forward_call(config: _Config, table, query, key, value, row_ids, key_ids):

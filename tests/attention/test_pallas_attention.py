@@ -57,7 +57,7 @@ CASES = {
         16,
         dict(is_causal=True, local_window_size=(20, 0), lengths=True, sinks=(1, 2, 4), logits_soft_cap=5.0),
     ),
-    "f32 unbatched, two-sided window, static offset, array scale": (
+    "f32 unbatched, two-sided window, static offset, segment runs, array scale": (
         np.float32,
         (),
         28,
@@ -66,7 +66,12 @@ CASES = {
         2,
         8,
         8,
-        dict(local_window_size=(10, 12), query_offset=-14, scale=0.4),
+        dict(
+            local_window_size=(10, 12),
+            query_offset=-14,
+            segments=([0] * 16 + [1] * 12, [1] * 12 + [2] * 28),  # rows 0..15 see no key
+            scale=0.4,
+        ),
     ),
 }
 FAST = "f32 gqa mla: causal offsets T<S, window, segments, lengths, soft cap, sinks"
@@ -82,9 +87,12 @@ def make_case(name, seed=0):
     value = rng.normal(size=(*batch, S, K, Hv))
     query, key, value = (np.asarray(jnp.asarray(x, dtype)) for x in (query, key, value))  # rounded
     keywords = {k: v for k, v in options.items() if k not in ("segments", "lengths", "sinks", "scale")}
-    if options.get("segments"):  # packed rows; query id 3 has no key
-        keywords["query_segment_ids"] = np.broadcast_to(np.minimum(np.arange(T) * 4 // T, 3), (*batch, T))
-        keywords["key_segment_ids"] = np.broadcast_to(np.minimum(np.arange(S) * 3 // S, 2), (*batch, S))
+    segments = options.get("segments")
+    if segments is True:  # packed rows; query id 3 has no key
+        segments = (np.minimum(np.arange(T) * 4 // T, 3), np.minimum(np.arange(S) * 3 // S, 2))
+    if segments:
+        keywords["query_segment_ids"] = np.broadcast_to(np.asarray(segments[0]), (*batch, T))
+        keywords["key_segment_ids"] = np.broadcast_to(np.asarray(segments[1]), (*batch, S))
     if options.get("lengths"):  # the last example's last 5 rows and the first's last 6 keys padded
         query_lengths, key_lengths = np.full(batch, T), np.full(batch, S)
         query_lengths.reshape(-1)[-1], key_lengths.reshape(-1)[0] = T - 5, S - 6
@@ -239,19 +247,21 @@ segment_reach = jax.jit(pallas._segment_reach, static_argnums=(2, 3))
 
 def test_segment_reach_holds_every_block_pair_sharing_an_id_and_skips_the_rest():
     """Packed rows (ids rising along the sequence): the blocks a block reaches by segment ids
-    are exactly those sharing an id with it, both ways round."""
+    are exactly those sharing an id with it, and those it reaches without a mask those whose
+    ids all equal its own one id, both ways round."""
     row_ids = np.repeat([[0, 1, 1, 2, 4, 4, 4, 4]], 8, axis=1)  # (1, 64): blocks of 8, 16
-    key_ids = np.repeat([[0, 0, 1, 2, 2, 3, 4, 5]], 6, axis=1)  # (1, 48)
+    key_ids = np.repeat([[0, 0, 1, 2, 2, 3, 4, 4]], 8, axis=1)  # (1, 64)
     for ids, other, block, other_block in ((row_ids, key_ids, 8, 16), (key_ids, row_ids, 16, 8)):
-        reach = np.asarray(segment_reach(ids, other, block, other.shape[1] // other_block))  # (1, blocks, 2)
-        blocks = ids[0].reshape(-1, block)
-        other_blocks = other[0].reshape(-1, other_block)
-        shares = (blocks[:, :, None, None] == other_blocks[None, None]).any(
-            axis=(1, 3)
-        )  # (blocks, other blocks)
-        positions = np.arange(len(other_blocks))
-        reached = (positions >= reach[0, :, :1]) & (positions < reach[0, :, 1:])
-        np.testing.assert_array_equal(reached, shares)
+        reach = np.asarray(segment_reach(ids, other, block, other.shape[1] // other_block))  # (1, blocks, 4)
+        blocks = ids[0].reshape(-1, block)[:, :, None, None]  # (blocks, block, 1, 1)
+        other_blocks = other[0].reshape(-1, other_block)[None, None]  # (1, 1, other blocks, block)
+        shares = (blocks == other_blocks).any(axis=(1, 3))  # (blocks, other blocks)
+        one_id = (blocks == other_blocks).all(axis=(1, 3))
+        assert one_id.any() and not (one_id == shares).all()
+        positions = np.arange(shares.shape[1])
+        for at, want in ((0, shares), (2, one_id)):
+            reached = (positions >= reach[0, :, at : at + 1]) & (positions < reach[0, :, at + 1 : at + 2])
+            np.testing.assert_array_equal(reached, want)
 
 
 def test_refusals_in_one_line():
