@@ -57,15 +57,6 @@ from qkv_jax.attention.chunked import per_example
 from qkv_jax.attention.options import check_soft_cap, is_number
 from qkv_jax.attention.visibility import window_pair
 
-try:  # the Triton backend's parameters; its name has moved between jax versions
-    from jax.experimental.pallas import triton as _triton
-
-    _TRITON_PARAMS: Any = getattr(_triton, "CompilerParams", None) or getattr(
-        _triton, "TritonCompilerParams", None
-    )
-except ImportError:  # pragma: no cover - a jax without the Triton backend
-    _TRITON_PARAMS = None
-
 Array = jax.Array
 
 __all__ = ["pallas_attention", "BlockSizes", "default_block_sizes"]
@@ -458,16 +449,28 @@ def _query_grad_kernel(
     dq_ref[...] = (query_grad * config.scale).astype(dq_ref.dtype)
 
 
+@functools.cache
+def triton_compiler_params() -> Any:
+    """The Triton backend's `CompilerParams` class (its name has moved between jax versions),
+    or None where this jax has no Triton backend. Imported on first use, not with qkv_jax."""
+    try:
+        from jax.experimental.pallas import triton
+    except Exception:  # noqa: BLE001 - a jax without it (or that refuses it) runs interpret mode only
+        return None
+    return getattr(triton, "CompilerParams", None) or getattr(triton, "TritonCompilerParams", None)
+
+
 def _compiler_params(config: _Config) -> Any:
     """Triton's launch parameters on a GPU; None in interpret mode."""
     if config.interpret:
         return None
-    if _TRITON_PARAMS is None:
+    params = triton_compiler_params()
+    if params is None:
         raise ValueError(
             "pallas_attention: this jax has no Pallas Triton backend (jax.experimental.pallas.triton); "
             "use another implementation"
         )
-    return _TRITON_PARAMS(num_warps=config.num_warps, num_stages=config.num_stages)
+    return params(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _operand_specs(config: _Config, shape: tuple[int, ...], along_queries: bool, block: int) -> list:

@@ -274,7 +274,7 @@ def test_refusals_in_one_line():
         dot_product_attention(query.astype(np.float64), query, query, implementation="pallas")
 
 
-@pytest.mark.skipif(pallas._TRITON_PARAMS is None, reason="this jax has no Pallas Triton backend")
+@pytest.mark.skipif(pallas.triton_compiler_params() is None, reason="this jax has no Pallas Triton backend")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_kernels_lower_through_triton_for_a_gpu(dtype):
     """Lowered for CUDA from this machine, forward and backward become three Triton kernels:
@@ -309,7 +309,7 @@ def test_kernels_lower_through_triton_for_a_gpu(dtype):
         assert f'name = "{name}"' in text
 
 
-@pytest.mark.skipif(pallas._TRITON_PARAMS is None, reason="this jax has no Pallas Triton backend")
+@pytest.mark.skipif(pallas.triton_compiler_params() is None, reason="this jax has no Pallas Triton backend")
 def test_float32_precisions_lower_for_a_gpu():
     """Each precision of float32 dots lowers through Triton, to a different kernel."""
     query = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.float32)
