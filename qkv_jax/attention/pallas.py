@@ -63,6 +63,8 @@ __all__ = ["pallas_attention", "BlockSizes", "default_block_sizes"]
 
 # How the dots of float32 operands run on a GPU, by `precision` (16-bit operands run as they
 # are): IEEE float32 (the default), three TF32 passes, or one. Interpret mode runs float32.
+_LOG2_E = math.log2(math.e)  # the kernels' logits and lse are in base 2 (exp2 is one instruction)
+_LN_2 = math.log(2.0)
 _FLOAT32_DOTS: dict[str, Any] = {
     "highest": lax.Precision.HIGHEST,  # Triton's InputPrecision.IEEE
     "high": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,  # InputPrecision.TF32x3
@@ -280,13 +282,16 @@ def _dot(config: _Config, a: Array, b: Array, contract: tuple[int, int]) -> Arra
 
 
 def _tile_logits(config: _Config, query, key, allowed):
-    """Scaled, soft-capped, masked logits `[bq, bk]` (-inf where not allowed) of query `[bq, H]`
-    and key `[bk, H]`, and the soft cap's slope (0 where masked; None without a cap)."""
-    logits = _dot(config, query, key, (1, 1)) * config.scale  # (bq, bk)
+    """Scaled, soft-capped, masked logits `[bq, bk]` of query `[bq, H]` and key `[bk, H]` in
+    base 2 (times log2 e, for `exp2`; -inf where not allowed), and the soft cap's slope (0
+    where masked; None without a cap)."""
+    logits = _dot(config, query, key, (1, 1))  # (bq, bk)
     slope = None
-    if config.soft_cap is not None:
-        capped = jnp.tanh(logits / config.soft_cap)
-        logits, slope = config.soft_cap * capped, 1.0 - capped * capped
+    if config.soft_cap is None:
+        logits = logits * (config.scale * _LOG2_E)
+    else:
+        capped = jnp.tanh(logits * (config.scale / config.soft_cap))
+        logits, slope = capped * (config.soft_cap * _LOG2_E), 1.0 - capped * capped
     if allowed is None:
         return logits, slope
     logits = jnp.where(allowed, logits, -jnp.inf)
@@ -316,8 +321,8 @@ def _forward_kernel(
         logits, _ = _tile_logits(config, query, k_ref[pl.ds(start, block_k), :], allowed)  # (bq, bk)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))  # (bq,)
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite for rows with nothing yet
-        weights = jnp.exp(logits - shift[:, None])  # (bq, bk)
-        rescale = jnp.exp(row_max - shift)  # (bq,)
+        weights = jnp.exp2(logits - shift[:, None])  # (bq, bk)
+        rescale = jnp.exp2(row_max - shift)  # (bq,)
         value = v_ref[pl.ds(start, block_k), :]  # (bk, Hv)
         blended = _dot(config, weights.astype(value.dtype), value, (1, 0))  # (bq, Hv)
         return (
@@ -338,14 +343,16 @@ def _forward_kernel(
     )
     has_mass = normaliser > 0
     out_ref[...] = (accumulator / jnp.where(has_mass, normaliser, 1.0)[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, normaliser, 1.0)), -jnp.inf)
+    log_normaliser = jnp.log(jnp.where(has_mass, normaliser, 1.0)) * _LOG2_E
+    lse_ref[...] = jnp.where(has_mass, row_max + log_normaliser, -jnp.inf)  # in base 2
 
 
 def _logits_grad(config: _Config, query, key, value, out_grad, lse, delta, allowed):
     """A tile's weights `P` `[bq, bk]` and the gradient of its scaled logits (through the soft
-    cap): `dS = P * (dO V^T - D)`, with `lse` finite (0 for rows that attend nothing)."""
+    cap): `dS = P * (dO V^T - D)`, with `lse` in base 2 and finite (0 for rows that attend
+    nothing)."""
     logits, slope = _tile_logits(config, query, key, allowed)
-    weights = jnp.exp(logits - lse[:, None])  # (bq, bk)
+    weights = jnp.exp2(logits - lse[:, None])  # (bq, bk)
     weights_grad = _dot(config, out_grad, value, (1, 1))  # (bq, bk)
     logits_grad = weights * (weights_grad - delta[:, None])
     if slope is not None:
@@ -536,7 +543,8 @@ def _segment_reach(ids: Array | None, other_ids: Array | None, block: int, other
 
 
 def _forward_call(config: _Config, table, query, key, value, row_ids, key_ids):
-    """The forward kernel over padded arrays: output `[B, Tp, N, Hv]`, lse `[B, N, Tp]`."""
+    """The forward kernel over padded arrays: output `[B, Tp, N, Hv]`, lse `[B, N, Tp]` in
+    base 2."""
     B, T, N, H = query.shape
     S, Hv = key.shape[1], value.shape[-1]
     block_q, block_k = config.blocks.block_q, config.blocks.block_k
@@ -599,18 +607,20 @@ def _backward_calls(config: _Config, operands: tuple, out_grad, lse, delta):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(config: _Config, table, query, key, value, row_ids, key_ids):
-    """`(output [B, Tp, N, Hv], lse [B, N, Tp])` of padded arrays; differentiable in the
-    query, key and value, through both results."""
-    return _forward_call(config, table, query, key, value, row_ids, key_ids)
+    """`(output [B, Tp, N, Hv], lse [B, N, Tp])` of padded arrays (the lse in the natural
+    log); differentiable in the query, key and value, through both results."""
+    output, lse = _forward_call(config, table, query, key, value, row_ids, key_ids)
+    return output, lse * _LN_2
 
 
 def _fused_forward(config: _Config, table, query, key, value, row_ids, key_ids):
-    output, lse = _forward_call(config, table, query, key, value, row_ids, key_ids)
-    return (output, lse), ((table, query, key, value, row_ids, key_ids), output, lse)
+    output, lse = _forward_call(config, table, query, key, value, row_ids, key_ids)  # lse in base 2
+    return (output, lse * _LN_2), ((table, query, key, value, row_ids, key_ids), output, lse)
 
 
 def _fused_backward(config: _Config, residuals, cotangents):
-    """D = rowsum(dO * O) - dlse; the kernels; dK, dV summed over each kv head's query heads."""
+    """D = rowsum(dO * O) - dlse (natural log: dS = P (dP - D) is the same in either base); the
+    kernels; dK, dV summed over each kv head's query heads."""
     operands, output, lse = residuals
     out_grad, lse_grad = cotangents
     _, query, key, value, _, _ = operands
