@@ -316,8 +316,10 @@ def _forward_kernel(
     def key_step(masked, j, carry):
         row_max, normaliser, accumulator = carry
         start = pl.multiple_of(j * block_k, block_k)
-        key_ids = None if key_ids_ref is None else key_ids_ref[pl.ds(start, block_k)]
-        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids) if masked else None
+        allowed = None
+        if masked:
+            key_ids = None if key_ids_ref is None else key_ids_ref[pl.ds(start, block_k)]
+            allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
         logits, _ = _tile_logits(config, query, k_ref[pl.ds(start, block_k), :], allowed)  # (bq, bk)
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))  # (bq,)
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # finite for rows with nothing yet
@@ -392,8 +394,10 @@ def _key_grads_kernel(
         key_grad, value_grad = carry
         start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(start, block_q)
-        row_ids = None if row_ids_ref is None else row_ids_ref[rows]
-        allowed = _allowed(config, start + _iota(block_q), keys, limits, row_ids, key_ids) if masked else None
+        allowed = None
+        if masked:
+            row_ids = None if row_ids_ref is None else row_ids_ref[rows]
+            allowed = _allowed(config, start + _iota(block_q), keys, limits, row_ids, key_ids)
         query, out_grad = q_ref[rows, :], do_ref[rows, :]  # (bq, H), (bq, Hv)
         weights, logits_grad = _logits_grad(
             config, query, key, value, out_grad, lse_ref[rows], delta_ref[rows], allowed
@@ -443,8 +447,10 @@ def _query_grad_kernel(
     def key_step(masked, j, query_grad):
         start = pl.multiple_of(j * block_k, block_k)
         span = pl.ds(start, block_k)
-        key_ids = None if key_ids_ref is None else key_ids_ref[span]
-        allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids) if masked else None
+        allowed = None
+        if masked:
+            key_ids = None if key_ids_ref is None else key_ids_ref[span]
+            allowed = _allowed(config, rows, start + _iota(block_k), limits, row_ids, key_ids)
         key = k_ref[span, :]  # (bk, H)
         _, logits_grad = _logits_grad(config, query, key, v_ref[span, :], out_grad, lse, delta, allowed)
         return query_grad + _dot(config, logits_grad.astype(key.dtype), key, (1, 0))  # (bq, H)
