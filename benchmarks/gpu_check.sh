@@ -60,12 +60,16 @@ echo "== 1. tests and checks, side by side (${correct_s} s)"
 per_test=()  # pytest-timeout is on the GPU machine's image; not needed for a dry run
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 90)
 if [[ ${#dry_run[@]} -eq 0 ]]; then
-  tests=(-n 10 -m "not slow" --durations=20 tests)
+  tests=(-n 12 -m "not slow" --durations=20 tests)
 else
   tests=(-p no:xdist tests/attention/test_dispatch.py tests/attention/test_precision.py)
 fi
-timeout "$correct_s" python3 -m pytest -v -rf --tb=short "${per_test[@]}" -p no:cacheprovider "${tests[@]}" \
-  >"$OUT/pytest.txt" 2>&1 &
+# The tests check values, not speed: XLA's GPU autotuning (most of a small program's compile
+# time there) is off for them.
+test_flags=${XLA_FLAGS:-}
+((${#dry_run[@]})) || test_flags="$test_flags --xla_gpu_autotune_level=0"
+XLA_FLAGS=$test_flags timeout "$correct_s" \
+  python3 -m pytest -v -rf --tb=short "${per_test[@]}" -p no:cacheprovider "${tests[@]}" >"$OUT/pytest.txt" 2>&1 &
 tests_pid=$!
 peers_pid=
 if [[ ${#dry_run[@]} -eq 0 ]]; then

@@ -4,8 +4,11 @@ Side by side in one process, at B4 T4096 N16 H128 bf16 (forward, and forward plu
 jax.nn's cuDNN and XLA paths, qkv_jax's own paths, tokamax's kernels where tokamax imports
 (its Mosaic GPU and Triton implementations), jax's bundled Pallas GPU attention, and torch's
 SDPA and compiled flex_attention, for plain causal, a causal left window, a two-sided window
-and a logit soft cap; float32 at H64. Each case is skipped with its reason when it fails, and
-no case starts after --budget-s.
+a logit soft cap, two packed segments per row and a sink per head; float32 at H64.
+qkv_jax's "pallas" rows also give its largest difference from the reference path (output
+and each gradient, relative to the largest entry), a check of the kernel on the GPU, and
+other tiles (bf16) and precisions (float32) of it are timed beside its defaults. Each case is
+skipped with its reason when it fails, and no case starts after --budget-s.
 
     python benchmarks/gpu_probe.py --out results.json   # on the GPU machine
     python benchmarks/gpu_probe.py --dry-run            # tiny sizes on any machine
@@ -35,7 +38,49 @@ OPTIONS = {
     "window_left_1024_causal": dict(is_causal=True, local_window_size=(1024, 0)),
     "window_512_both": dict(local_window_size=(512, 512)),
     "soft_cap_50_causal": dict(is_causal=True, logits_soft_cap=50.0),
+    "segments_causal": dict(is_causal=True),  # two packed segments per row (`option_arrays`)
+    "sinks_causal": dict(is_causal=True),  # one sink logit per head (`option_arrays`)
 }
+# The JAX paths each option is timed on (jax.nn, tokamax and jax's bundled kernel apart).
+QKV_PATHS = {option: (None, "xla", "pallas") for option in OPTIONS}
+QKV_PATHS["causal"] = (None, "xla", "chunked", "pallas")
+QKV_PATHS["sinks_causal"] = (None, "pallas")  # jax.nn's XLA path has no sinks
+# Tiles of "pallas" timed beside its defaults at bf16 causal: (block_q, block_k, backward_q,
+# backward_k).
+PALLAS_BLOCK_VARIANTS = ((64, 64, 32, 32), (128, 128, 64, 64), (64, 64, 64, 64))
+
+
+def segment_ids(shape):
+    """Two packed segments per row, `[B, T]`: the first half of the positions, then the rest."""
+    B, T = shape[0], shape[1]
+    return np.broadcast_to((np.arange(T) >= T // 2).astype(np.int32), (B, T))
+
+
+def sink_logits(shape):
+    """One sink logit per head `[N]`, spread around 0."""
+    return np.linspace(-1.0, 1.0, shape[2]).astype(np.float32)
+
+
+def option_keywords(option, shape):
+    """`dot_product_attention`'s keywords of `option` at `shape` = (B, T, N, H), arrays included."""
+    keywords = dict(OPTIONS[option])
+    if option == "segments_causal":
+        ids = jnp.asarray(segment_ids(shape))
+        keywords.update(query_segment_ids=ids, key_segment_ids=ids)
+    if option == "sinks_causal":
+        keywords["sinks"] = jnp.asarray(sink_logits(shape))
+    return keywords
+
+
+def jax_nn_keywords(option, shape):
+    """jax.nn's keywords for `option`, or None where jax.nn has no equivalent."""
+    if option in ("soft_cap_50_causal", "sinks_causal"):
+        return None
+    keywords = dict(OPTIONS[option])
+    if option == "segments_causal":
+        ids = jnp.asarray(segment_ids(shape))
+        keywords["mask"] = (ids[:, :, None] == ids[:, None, :])[:, None]  # (B, 1, T, T)
+    return keywords
 
 
 def time_jax(fn, *args, repeats=3, inner=10):
@@ -65,8 +110,9 @@ def forward_and_train(attend):
 def jax_cases(shape, dtype):
     """(name, option, attend) for every JAX path that may take `option`."""
     cases = []
-    for option, kw in OPTIONS.items():
-        for impl in (None, "xla") if option != "causal" else (None, "xla", "chunked"):
+    for option in OPTIONS:
+        kw = option_keywords(option, shape)
+        for impl in QKV_PATHS[option]:
             cases.append(
                 (
                     f"qkv_jax[{impl or 'default'}]",
@@ -76,17 +122,20 @@ def jax_cases(shape, dtype):
                     ),
                 )
             )
-        if "logits_soft_cap" not in kw:
+        nn_kw = jax_nn_keywords(option, shape)
+        if nn_kw is not None:
             for impl in ("cudnn", "xla"):
                 cases.append(
                     (
                         f"jax.nn[{impl}]",
                         option,
-                        lambda q, k, v, kw=kw, impl=impl: jax.nn.dot_product_attention(
+                        lambda q, k, v, kw=nn_kw, impl=impl: jax.nn.dot_product_attention(
                             q, k, v, implementation=impl, **kw
                         ),
                     )
                 )
+        if option in ("segments_causal", "sinks_causal"):
+            continue  # tokamax has neither segment ids nor sinks
         try:
             import tokamax
 
@@ -117,6 +166,47 @@ def jax_cases(shape, dtype):
     return cases
 
 
+def pallas_errors(option, q, k, v, ct, fwd, train):
+    """The largest differences of "pallas" (its compiled `fwd` and `train`) from the reference
+    path (float32 logits over the whole [T, S]) in the output and in each gradient, relative
+    to the largest entry of each."""
+    kw = option_keywords(option, q.shape)
+    ref_fwd, ref_train = forward_and_train(
+        lambda q, k, v: qkv_jax.dot_product_attention(q, k, v, implementation="reference", **kw)
+    )
+    errors = {}
+    got_all, want_all = (fwd(q, k, v), *train(q, k, v, ct)), (ref_fwd(q, k, v), *ref_train(q, k, v, ct))
+    for name, got, want in zip(("output", "dq", "dk", "dv"), got_all, want_all, strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        errors[name] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    return errors
+
+
+def pallas_variants(dtype_name):
+    """(name, option, attend) of other tiles (bf16) or precisions (float32) of "pallas"."""
+    from qkv_jax.attention.pallas import pallas_attention
+
+    if dtype_name == "float32":
+        return [
+            (
+                f"qkv_jax[pallas,precision={precision}]",
+                "causal",
+                lambda q, k, v, p=precision: qkv_jax.dot_product_attention(
+                    q, k, v, is_causal=True, implementation="pallas", precision=p
+                ),
+            )
+            for precision in ("high", "default")
+        ]
+    return [
+        (
+            f"pallas_attention[blocks={','.join(map(str, blocks))}]",
+            "causal",
+            lambda q, k, v, b=blocks: pallas_attention(q, k, v, is_causal=True, block_sizes=b),
+        )
+        for blocks in PALLAS_BLOCK_VARIANTS
+    ]
+
+
 def torch_cases(shape, dtype_name):
     try:
         import torch
@@ -127,27 +217,34 @@ def torch_cases(shape, dtype_name):
         return []
     B, T, N, H = shape
     compiled = torch.compile(flex_attention)
+    document = (torch.arange(T, device="cuda") >= T // 2).to(torch.int32)  # segment_ids' two segments
+    sinks = torch.from_numpy(sink_logits(shape)).to("cuda")
     masks = {
         "causal": lambda b, h, q, k: q >= k,
         "window_left_1024_causal": lambda b, h, q, k: (q >= k) & (q - k <= 1024),
         "window_512_both": lambda b, h, q, k: (q - k <= 512) & (k - q <= 512),
         "soft_cap_50_causal": lambda b, h, q, k: q >= k,
+        "segments_causal": lambda b, h, q, k: (q >= k) & (document[q] == document[k]),
+        "sinks_causal": lambda b, h, q, k: q >= k,
     }
 
     def soft_cap(score, b, h, q, k):
         return 50.0 * torch.tanh(score / 50.0)
 
+    def with_sinks(q, k, v, bm):  # out * sigmoid(lse - sink), as qkv_jax's sinks
+        out, lse = compiled(q, k, v, block_mask=bm, return_lse=True)
+        return out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
+
     cases = []
     for option, mask_mod in masks.items():
         block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
         score_mod = soft_cap if option.startswith("soft_cap") else None
-        cases.append(
-            (
-                "torch.flex_attention(compiled)",
-                option,
-                lambda q, k, v, bm=block_mask, sm=score_mod: compiled(q, k, v, score_mod=sm, block_mask=bm),
-            )
+        attend = (
+            (lambda q, k, v, bm=block_mask: with_sinks(q, k, v, bm))
+            if option == "sinks_causal"
+            else (lambda q, k, v, bm=block_mask, sm=score_mod: compiled(q, k, v, score_mod=sm, block_mask=bm))
         )
+        cases.append(("torch.flex_attention(compiled)", option, attend))
     cases.append(
         ("torch.sdpa", "causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     )
@@ -184,51 +281,101 @@ def time_torch(attend, shape, dtype_name, train):
     return statistics.median(times)
 
 
-def run(args):
-    results = []
-    started = time.perf_counter()
+def priority(name, option, dtype_name):
+    """The order cases run in, so that a budget cut leaves out the least needed: first what the
+    acceptance table compares at bf16 (qkv_jax's default and Pallas paths, cuDNN's plain causal
+    time, flex_attention per option), then float32 against jax.nn's XLA path and SDPA, then
+    the rest (jax.nn per option, other paths, tiles and precisions)."""
+    if dtype_name == "bfloat16":
+        if name in ("qkv_jax[default]", "qkv_jax[pallas]", "torch.flex_attention(compiled)"):
+            return 0
+        if (name, option) == ("jax.nn[cudnn]", "causal"):
+            return 0
+    elif name in ("qkv_jax[default]", "qkv_jax[pallas]", "jax.nn[xla]", "torch.sdpa"):
+        return 1
+    return 2 if name.startswith(("jax.nn", "torch")) else 3
+
+
+def all_cases(args):
+    """(priority, dtype name, shape, name, option, attend, is torch) of every case, in order."""
     shapes = [("bfloat16", (4, 4096, 16, 128)), ("float32", (4, 4096, 16, 64))]
     if args.dry_run:
         shapes = [("bfloat16", (1, 128, 2, 32)), ("float32", (1, 128, 2, 16))]
+    on_gpu = not args.dry_run and jax.default_backend() == "gpu"
+    cases = []
     for dtype_name, shape in shapes:
-        dtype = jnp.dtype(dtype_name)
-        keys = jax.random.split(jax.random.key(0), 4)
-        q, k, v, ct = (jax.random.normal(key, shape, dtype) for key in keys)
-        ct = ct.astype(jnp.float32)
-        cases = jax_cases(shape, dtype)
-        if dtype_name == "float32":
-            cases = [c for c in cases if c[1] == "causal"]
-        for name, option, attend in cases:
-            if time.perf_counter() - started > args.budget_s:
-                print(f"budget spent: {name} {option} not run")
-                continue
-            row = dict(name=name, option=option, dtype=dtype_name, shape=list(shape))
-            try:
-                fwd, train = forward_and_train(attend)
-                row["forward_ms"] = time_jax(fwd, q, k, v)
-                row["train_ms"] = time_jax(train, q, k, v, ct)
-            except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            results.append(row)
-            print(json.dumps(row), flush=True)
-        if args.dry_run or jax.default_backend() != "gpu":
+        jax_side = jax_cases(shape, jnp.dtype(dtype_name)) + pallas_variants(dtype_name)
+        torch_side = torch_cases(shape, dtype_name) if on_gpu else []
+        for torch, group in ((False, jax_side), (True, torch_side)):
+            for name, option, attend in group:
+                if dtype_name == "float32" and option != "causal":
+                    continue
+                cases.append(
+                    (priority(name, option, dtype_name), dtype_name, shape, name, option, attend, torch)
+                )
+    return sorted(cases, key=lambda case: case[0])
+
+
+def time_case(dtype_name, shape, name, option, attend, torch, arrays):
+    """One row: forward and forward + backward ms (or the error), and the compiled functions."""
+    row = dict(name=name, option=option, dtype=dtype_name, shape=list(shape))
+    compiled = None
+    try:
+        if torch:
+            row["forward_ms"] = time_torch(attend, shape, dtype_name, train=False)
+            row["train_ms"] = time_torch(attend, shape, dtype_name, train=True)
+        else:
+            q, k, v, ct = arrays
+            fwd, train = forward_and_train(attend)
+            row["forward_ms"] = time_jax(fwd, q, k, v)
+            row["train_ms"] = time_jax(train, q, k, v, ct)
+            compiled = (fwd, train)
+    except Exception as error:  # noqa: BLE001 - a row says why a case has no time
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        if torch:
+            traceback.print_exc(limit=2)
+    print(json.dumps(row), flush=True)
+    return row, compiled
+
+
+def run(args):
+    results, started, inputs = [], time.perf_counter(), {}
+    checks = {}  # dtype -> "pallas" rows to check against the reference once every time is taken
+    for _, dtype_name, shape, name, option, attend, torch in all_cases(args):
+        if time.perf_counter() - started > args.budget_s:
+            print(f"budget spent: {name} {option} {dtype_name} not run")
             continue
-        for name, option, attend in torch_cases(shape, dtype_name):
-            if dtype_name == "float32" and option != "causal":
-                continue
-            if time.perf_counter() - started > args.budget_s:
-                print(f"budget spent: {name} {option} not run")
-                continue
-            row = dict(name=name, option=option, dtype=dtype_name, shape=list(shape))
-            try:
-                row["forward_ms"] = time_torch(attend, shape, dtype_name, train=False)
-                row["train_ms"] = time_torch(attend, shape, dtype_name, train=True)
-            except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-                traceback.print_exc(limit=2)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+        if dtype_name not in inputs:
+            keys = jax.random.split(jax.random.key(0), 4)
+            q, k, v, ct = (jax.random.normal(key, shape, jnp.dtype(dtype_name)) for key in keys)
+            inputs[dtype_name] = (q, k, v, ct.astype(jnp.float32))
+        row, compiled = time_case(dtype_name, shape, name, option, attend, torch, inputs[dtype_name])
+        results.append(row)
+        if name == "qkv_jax[pallas]" and compiled is not None:
+            checks.setdefault(dtype_name, []).append((row, *compiled))
+    for dtype_name, rows in checks.items():
+        check_pallas(rows, inputs[dtype_name], started, args.budget_s)
     return results
+
+
+def check_pallas(checks, arrays, started, budget_s):
+    """Adds to each "pallas" row (with its compiled functions) its difference from the
+    reference path, while the budget lasts: after the timings, which it must not crowd out."""
+    for row, fwd, train in checks:
+        if time.perf_counter() - started > budget_s:
+            print(f"budget spent: {row['name']} {row['option']} not checked")
+            continue
+        try:
+            row["relative_error_vs_reference"] = pallas_errors(row["option"], *arrays, fwd, train)
+        except Exception as error:  # noqa: BLE001
+            row["check_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        print(json.dumps(row), flush=True)
+
+
+def error_note(row):
+    """The largest relative difference from the reference path of a row that has one."""
+    errors = row.get("relative_error_vs_reference")
+    return "" if not errors else f"max rel. error vs reference {max(errors.values()):.2e}"
 
 
 # (name, dtype, (T, S, H, Hv), keyword arguments) of the fused kernel's check against the
@@ -360,7 +507,7 @@ def main():
         print(
             f"{r['name']:34s} {r['option']:26s} {r['dtype']:9s} "
             f"{r.get('forward_ms', float('nan')):8.3f} {r.get('train_ms', float('nan')):10.3f} "
-            f"{r.get('error', '')[:60]}"
+            f"{r.get('error', '')[:60]}{error_note(r)}"
         )
 
 

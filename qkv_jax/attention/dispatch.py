@@ -28,7 +28,7 @@ __all__ = [
     "select_implementation",
 ]
 
-IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked")
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked", "pallas")
 # The arguments of dot_product_attention beyond query, key and value, by their keyword names.
 FEATURES = (
     "bias",
@@ -50,12 +50,14 @@ FEATURES = (
 )
 # What each implementation computes: a call using any other feature cannot run there. jax.nn
 # has neither a soft cap nor sinks; only the reference path materialises the attention
-# weights, so only it returns them or drops them out.
+# weights, so only it returns them or drops them out. The Pallas kernels take no dense bias or
+# mask (their masks are the rules of visibility.py, computed per tile).
 SUPPORTED: dict[str, frozenset[str]] = {
     "reference": frozenset(FEATURES),
     "chunked": frozenset(FEATURES) - {"dropout_rate", "return_weights"},
     "xla": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
     "cudnn": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
+    "pallas": frozenset(FEATURES) - {"bias", "mask", "dropout_rate", "return_weights"},
 }
 # Supported on "cudnn", but chosen for it automatically only once benchmarks/gpu_check.sh has
 # shown on a GPU that cuDNN's window and its top-left alignment for T != S (cases named
@@ -144,6 +146,8 @@ def check_supported(
 
 def _shape_refusal(implementation: str, query, key, value) -> str | None:
     """Why `implementation` cannot take these arrays (beyond `SUPPORTED`), or None."""
+    if implementation == "pallas" and jnp.result_type(query, key, value) == jnp.float64:
+        return "accumulates in float32, so it cannot serve float64 inputs"
     if implementation == "xla":
         H, Hv = key.shape[-1], value.shape[-1]
         if H != Hv:

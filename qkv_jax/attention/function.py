@@ -13,6 +13,7 @@ from qkv_jax.attention.chunked import chunked_attention
 from qkv_jax.attention.dispatch import accelerator_block_sizes, call_features, check_call, choose
 from qkv_jax.attention.jax_nn import jax_nn_attention, matmul_precision_name
 from qkv_jax.attention.options import CallOptions, PrecisionLike, check_soft_cap, is_number
+from qkv_jax.attention.pallas import pallas_attention
 from qkv_jax.attention.reference import reference_attention
 from qkv_jax.attention.visibility import (
     KeyVisibility,
@@ -175,6 +176,13 @@ def _implementation(options: CallOptions, query, key, value, bias, mask, traced:
     return options.implementation
 
 
+def _pallas_precision(precision: PrecisionLike) -> str | None:
+    """The call's precision as "pallas" takes it: 'highest' (None too), 'high' or 'default';
+    a `DotAlgorithmPreset` runs as 'highest'."""
+    name = matmul_precision_name(precision)
+    return name if name in (None, "highest", "high", "default") else "highest"
+
+
 def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, traced, options, scale):
     """`(output, residual, weights)` of one path (the weights from "reference" only), with
     `bias` and `keys.mask` of the logits' rank."""
@@ -200,6 +208,19 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
             block_q=blocks[0],
             block_k=blocks[1],
             precision=options.precision,
+        )
+        return output, residual, None
+    if implementation == "pallas":
+        output, residual = pallas_attention(
+            query,
+            key,
+            value,
+            **keys.keywords(lengths=True),
+            scale=scale,
+            logits_soft_cap=options.soft_cap,
+            sinks=traced.sinks,
+            return_residual=True,
+            precision=_pallas_precision(options.precision),
         )
         return output, residual, None
     output, residual = jax_nn_attention(
@@ -326,6 +347,13 @@ def dot_product_attention(
         "chunked": `qkv_jax.attention.chunked_attention`, blocked online
           softmax with memory O(T x block), skipping the tiles that causality,
           a window, lengths or segment ids rule out.
+        "pallas": `qkv_jax.attention.pallas.pallas_attention`, fused Pallas
+          kernels (forward and backward, memory linear in T): Triton on a
+          GPU, Pallas' interpret mode elsewhere (slow: for tests). No bias
+          or mask (the rules above instead), not float64. Its float32 dots
+          run in IEEE float32 unless `precision` says 'high' (three TF32
+          passes) or 'default' (one).
+          None does not choose it.
         None: `select_implementation`'s rule (see there): "cudnn" on a GPU
           where it applies; on CPU "chunked" from `CHUNKED_MIN_KEYS` keys and
           "reference" below; on accelerators "xla" (else "reference") where
@@ -367,7 +395,9 @@ def dot_product_attention(
         newer GPUs JAX's default runs float32 matmuls in TF32; 'highest' keeps
         them float32. jax.nn has no precision argument, so its paths set
         `jax.default_matmul_precision` around the call (a pair: the higher of
-        the two); cuDNN's kernel ignores it (bf16/fp16 inputs).
+        the two); cuDNN's kernel ignores it (bf16/fp16 inputs). "pallas" runs
+        float32 dots in float32 for None and 'highest', as three TF32 passes
+        for 'high' and one for 'default'.
 
     Returns:
       `[batch..., T, N, Hv]` in the inputs' dtype; with `return_residual` and/or
