@@ -94,6 +94,10 @@ MATERIALIZE_FRACTION = 0.25
 # HBM, and less than any data-centre GPU of the last generations has).
 ACCELERATOR_BYTES = 16 * 2**30
 MIN_ACCELERATOR_KEY_BLOCK = 128
+# On a GPU, calls cuDNN does not take go to the fused Pallas kernels ("pallas") from this many
+# queries and keys on, once benchmarks/gpu_check.sh has passed them there (`checked_on_gpu`);
+# shorter ones (a decoding step, say) to a materialised path.
+FUSED_MIN_LENGTH = 128
 
 # How a path that lacks a feature says so.
 _LACKS = {
@@ -222,6 +226,23 @@ def accelerator_block_sizes(query, key, platform: str) -> tuple[int, int]:
     return T, min(block_k, S)
 
 
+def checked_on_gpu(kernel: str) -> bool:
+    """Whether benchmarks/gpu_check.sh has run `kernel`'s cases on a GPU and all passed (the
+    record `qkv_jax.attention.gpu_checked.CHECKED`)."""
+    record = CHECKED.get(kernel, {})
+    return bool(record.get("passed")) and not record.get("failed")
+
+
+def _fused_applies(query, key, value) -> bool:
+    """Whether the rule sends a call cuDNN does not take to the fused Pallas kernels: once the
+    GPU check has passed them, from `FUSED_MIN_LENGTH` queries and keys on, not float64."""
+    return (
+        checked_on_gpu("pallas")
+        and min(query.shape[-3], key.shape[-3]) >= FUSED_MIN_LENGTH
+        and jnp.result_type(query, key, value) != jnp.float64
+    )
+
+
 def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
     """The rule of `select_implementation` for a call using `features` (keyword names)."""
     used = frozenset(features)
@@ -235,6 +256,8 @@ def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
         return "cudnn"
     if platform == "cpu":
         return "chunked" if takes["chunked"] and key.shape[-3] >= CHUNKED_MIN_KEYS else "reference"
+    if platform == "gpu" and takes["pallas"] and _fused_applies(query, key, value):
+        return "pallas"
     materialized = _materialized(takes, query, key, value)
     fits = materialized_bytes(query, key) <= accelerator_bytes(platform) * MATERIALIZE_FRACTION
     if materialized is not None and (fits or not takes["chunked"]):
@@ -258,19 +281,21 @@ def select_implementation(query, key, value, bias=None, mask=None, *, platform=N
        with H = Hv a multiple of 8 up to 128, with or without causal masking
        and lengths; a mask, a bias or causal with a query offset (all passed
        to cuDNN as one additive bias `[batch, N|1, T, S]`) need even T and S.
-       Padding given as lengths costs no bias. Not (yet) with a local window
-       or segment ids: cuDNN takes a window and could take segments as a
-       bias, but that its window and its top-left alignment for T != S mean
-       the same as here has not been checked on a GPU
-       (benchmarks/gpu_check.sh compares both with the reference, to be run
-       before this rule sends them there); they go on.
+       Padding given as lengths costs no bias. A local window or segment ids
+       only once benchmarks/gpu_check.sh has shown on a GPU that cuDNN's window
+       (and its top-left alignment for T != S) and segments as a bias mean the
+       same as here (`qkv_jax.attention.gpu_checked`); until then they go on.
     2. On CPU: "chunked" from `CHUNKED_MIN_KEYS` keys on. It is the fastest
        path there, forward and backward, and its tiles keep every buffer a call
        allocates small, under glibc's mmap threshold, where pages do not fault
        in afresh on every call; with a window or segment ids it skips the
        tiles they rule out. Below that, or for what it lacks (weights,
        dropout), "reference".
-    3. On an accelerator (GPU, TPU), a materialised path wherever its
+    3. On a GPU, once benchmarks/gpu_check.sh has passed the fused Pallas
+       kernels there (`checked_on_gpu("pallas")`), "pallas" for what it takes
+       from `FUSED_MIN_LENGTH` queries and keys on (no bias, mask, dropout,
+       weights or float64).
+    4. On an accelerator (GPU, TPU), a materialised path wherever its
        `materialized_bytes` fit in `MATERIALIZE_FRACTION` of the device's
        memory (`accelerator_bytes`): "xla" (H = Hv, not float64), else
        "reference" (soft cap, sinks, MLA's unequal widths, float64, weights,
@@ -282,8 +307,8 @@ def select_implementation(query, key, value, bias=None, mask=None, *, platform=N
     The measurements behind these steps are in docs/benchmarks.md, each
     beside its command: `python benchmarks/attention.py --library-user` and
     `--window` on CPU, benchmarks/gpu_probe.py and benchmarks/gpu.sh on a GPU;
-    benchmarks/gpu_check.sh checks every case of step 1 against the reference
-    on the GPU.
+    benchmarks/gpu_check.sh checks every case of steps 1 and 3 against the
+    reference on the GPU.
     """
     unknown = sorted(set(keywords) - set(FEATURES) - {"implementation", "dropout_rng"})
     if unknown:

@@ -443,3 +443,21 @@ def test_windows_and_segments_reach_cudnn_only_once_a_gpu_check_passed_them(monk
     assert dispatch._cudnn_unchecked() == {"local_window_size", "query_segment_ids", "key_segment_ids"}
     monkeypatch.setattr(dispatch, "CHECKED", {})
     assert dispatch._cudnn_unchecked() == set(dispatch._CUDNN_CHECK_CASES)
+
+
+def test_the_fused_kernels_take_long_gpu_calls_only_once_a_gpu_check_passed_them(monkeypatch):
+    from qkv_jax.attention import dispatch
+
+    long = tuple(jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16) for _ in range(3))
+    short = tuple(jax.ShapeDtypeStruct((1, 16, 8, 64), jnp.bfloat16) for _ in range(3))
+    soft_cap = dict(is_causal=True, logits_soft_cap=30.0)
+    monkeypatch.setattr(dispatch, "CHECKED", {})
+    assert select_implementation(*long, platform="gpu", **soft_cap) == "reference"
+    monkeypatch.setattr(dispatch, "CHECKED", {"pallas": {"passed": ["causal"], "failed": ["sinks"]}})
+    assert select_implementation(*long, platform="gpu", **soft_cap) == "reference"
+    monkeypatch.setattr(dispatch, "CHECKED", {"pallas": {"passed": ["causal", "sinks"], "failed": []}})
+    assert select_implementation(*long, platform="gpu", **soft_cap) == "pallas"
+    assert select_implementation(*long, platform="gpu", is_causal=True) == "cudnn"  # cuDNN first
+    assert select_implementation(*short, platform="gpu", **soft_cap) == "reference"
+    assert select_implementation(*long, platform="tpu", **soft_cap) == "reference"
+    assert select_implementation(*long, platform="cpu", **soft_cap) == "chunked"
