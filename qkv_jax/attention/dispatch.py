@@ -80,8 +80,6 @@ def _cudnn_unchecked() -> frozenset[str]:
         if not any(word in case for case in passed) or any(word in case for case in failed)
     )
 
-
-_NOT_YET_AUTOMATIC_ON_CUDNN = _cudnn_unchecked()
 # On CPU, from this many keys on, "chunked"; below, "reference" (forward-mode differentiable).
 CHUNKED_MIN_KEYS = 64
 # On an accelerator a materialised path ("xla", else "reference") takes a call whose
@@ -250,7 +248,7 @@ def choose(query, key, value, features: Iterable[str], *, platform: str) -> str:
     has_bias = bool(used & {"bias", "mask"}) or used >= {"is_causal", "query_offset"}
     if (
         takes["cudnn"]
-        and not used & _NOT_YET_AUTOMATIC_ON_CUDNN
+        and not used & _cudnn_unchecked()
         and cudnn_applies(query, key, value, has_bias, platform)
     ):
         return "cudnn"
