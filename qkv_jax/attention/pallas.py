@@ -10,7 +10,7 @@ they run in Pallas' interpret mode (how the tests run them on a CPU).
   maximum, normaliser and output accumulator (an online softmax), and writes
   the output and each row's log-sum-exp (lse).
 - The backward pass recomputes each tile's weights `P = exp(logits - lse)`
-  from the saved lse and `D = rowsum(dO * O) - dlse` (the lse's own
+  (in base 2 inside the kernels: `exp2`) from the saved lse and `D = rowsum(dO * O) - dlse` (the lse's own
   cotangent enters here: d lse / d logits = P). One kernel per (key block,
   example, query head) loops over query blocks for dK and dV; one per
   (query block, example, query head) loops over key blocks for dQ. With
@@ -25,19 +25,22 @@ window and the lengths leave within reach (where a window's speed comes
 from), and, with segment ids, between the first and the last block whose
 range of ids overlaps the block's own (exact for packed sequences, whose ids
 do not decrease); inside a block the rules mask, except in blocks whose
-every pair they allow, which each loop runs apart without a mask. A soft cap `c * tanh(logits / c)` is
-applied before masking and its slope recomputed backward; sinks act after the
-kernel, `output * sigmoid(lse - sink)`, so they are differentiable through
-plain JAX.
+every pair they allow, which each loop runs apart without a mask. A soft cap
+`c * tanh(logits / c)` is applied before masking and its slope recomputed
+backward; sinks act after the kernel, `output * sigmoid(lse - sink)`, so they
+are differentiable through plain JAX.
 
 Layout as `dot_product_attention`'s, with the batch dims flattened to B: query
 `[B, T, N, H]`, key `[B, S, K, H]`, value `[B, S, K, Hv]`; a block reads one
 head's `[block, H]` straight from that layout. T and S are padded to whole
 blocks and H, Hv to a power of two of at least 16 (Triton's sizes); padded
 keys are masked and padded rows dropped. Dots take float32 accumulators; on a
-GPU float32 operands run in IEEE float32 (`lax.Precision.HIGHEST`, which the
-Triton lowering maps to `InputPrecision.IEEE`, never TF32), bf16/fp16 ones as
-they are, with the weights cast to the value's dtype for `P V`.
+GPU float32 operands run in IEEE float32 by default (`lax.Precision.HIGHEST`,
+which the Triton lowering maps to `InputPrecision.IEEE`, not TF32; see
+`precision` for TF32), bf16/fp16 ones as they are, with the weights cast to
+the value's dtype for `P V`. Not as the reference path: a non-finite key or
+value inside a computed block can reach rows of that block that do not
+attend it.
 """
 
 from __future__ import annotations
