@@ -4,6 +4,7 @@
 #   1. side by side (correctness, not timed): the fast tier on the GPU, each test under a
 #      90 s timeout and named as it finishes (-v, -rf)                       ($OUT/pytest.txt);
 #      jax's own dot_product_attention tests against qkv_jax               ($OUT/pytest_peers.txt);
+#      the Pallas kernels' tests, slow ones included, as Triton kernels   ($OUT/pytest_pallas.txt);
 #      every kind of call the dispatch rule sends to cuDNN, and the windows and segment ids it
 #      keeps from cuDNN until they pass here, against the reference        ($OUT/cudnn_check.*);
 #      the fused Pallas kernel against the reference, every option it claims
@@ -77,6 +78,12 @@ if [[ ${#dry_run[@]} -eq 0 ]]; then
     tests/peers/test_jax_nn_attention.py >"$OUT/pytest_peers.txt" 2>&1 &
   peers_pid=$!
 fi
+pallas_pid=
+if [[ ${#dry_run[@]} -eq 0 ]]; then  # the Pallas tests, slow tier too: on a GPU, Triton's kernels
+  timeout "$correct_s" python3 -m pytest -v -rf --tb=short "${per_test[@]}" -p no:cacheprovider -p no:xdist \
+    tests/attention/test_pallas_attention.py >"$OUT/pytest_pallas.txt" 2>&1 &
+  pallas_pid=$!
+fi
 check_s=$((correct_s - 5))
 timeout "$check_s" python3 benchmarks/gpu_probe.py --check pallas --out "$OUT/kernel_check.json" \
   "${dry_run[@]}" >"$OUT/kernel_check.txt" 2>&1 || { echo "kernel check: exit $?"; status=1; }
@@ -90,6 +97,9 @@ fi
 wait $tests_pid || { echo "tests: exit $?"; status=1; }
 if [[ -n $peers_pid ]]; then
   wait $peers_pid || { echo "peer tests: exit $?"; status=1; }
+fi
+if [[ -n $pallas_pid ]]; then
+  wait $pallas_pid || { echo "Pallas tests: exit $?"; status=1; }
 fi
 
 # 2. Timings, alone on the GPU.

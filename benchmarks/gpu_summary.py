@@ -106,6 +106,7 @@ def summary(out: Path) -> list[str]:
         "|---|---|---|",
         tests_row(out / "pytest.txt", "fast tier on the GPU"),
         tests_row(out / "pytest_peers.txt", "jax.nn's attention tests"),
+        tests_row(out / "pytest_pallas.txt", "Pallas kernels' tests (all)"),
         check_row(out / "kernel_check.txt", "Pallas kernel vs reference"),
         check_row(out / "cudnn_check.txt", "cuDNN cases vs reference"),
         "",
