@@ -32,11 +32,14 @@ elif [[ $# -gt 0 ]]; then
   exit 2
 fi
 OUT=${OUT:-$PWD/gpu_check_out}
-# The logs go to $OUT/logs, packed into $OUT/logs.tar.gz at the end beside summary.md (the
-# device tool brings back at most 8 files).
+# The logs go to a folder of their own, packed into $OUT/logs.tar.gz after each step (so a run
+# cut short still brings them back), beside summary.md: the device tool returns 8 files at most.
 final_out=$OUT
-OUT=$final_out/logs
+mkdir -p "$final_out"
+logs_root=$(mktemp -d)
+OUT=$logs_root/logs
 mkdir -p "$OUT"
+pack() { tar -czf "$final_out/logs.tar.gz" -C "$logs_root" logs; }
 started=$SECONDS
 total=${GPU_CHECK_SECONDS:-470}
 status=0
@@ -102,6 +105,8 @@ if [[ -n $pallas_pid ]]; then
   wait $pallas_pid || { echo "Pallas tests: exit $?"; status=1; }
 fi
 
+pack
+
 # 2. Timings, alone on the GPU.
 if compgen -G ".probe-wheels/*.whl" >/dev/null && [[ ${#dry_run[@]} -eq 0 ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/probe-site .probe-wheels/*.whl \
@@ -113,6 +118,7 @@ probe_s=$((left * 60 / 100))
 echo "== 2. attention options timed (${probe_s} s), then the LM"
 timeout "$probe_s" python3 benchmarks/gpu_probe.py --budget-s $((probe_s - 25)) --out "$OUT/probe.json" \
   "${dry_run[@]}" >"$OUT/probe.txt" 2>&1 || echo "probe: exit $? (its rows so far are in probe.txt)"
+pack
 left=$((total - 10 - (SECONDS - started)))
 if ((left > 30)); then
   timeout "$left" python3 benchmarks/lm.py --gpu "${dry_run[@]}" >"$OUT/lm_gpu.txt" 2>&1 \
@@ -128,6 +134,6 @@ write=(--write)
 python3 benchmarks/gpu_summary.py "$OUT" "${write[@]}" | tee "$OUT/summary.md"
 cp "$OUT/summary.md" "$final_out/summary.md"
 cp benchmarks/results/gpu_check_gpu.json "$final_out/" 2>/dev/null || true
-tar -czf "$final_out/logs.tar.gz" -C "$final_out" logs && rm -rf "$OUT"
+pack && rm -rf "$logs_root"
 echo "== done in $((SECONDS - started)) s; status $status; outputs in $final_out"
 exit $status
