@@ -27,7 +27,7 @@ __all__ = [
     "select_implementation",
 ]
 
-IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked")
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked", "splash")
 # The arguments of dot_product_attention beyond query, key and value, by their keyword names.
 FEATURES = (
     "bias",
@@ -55,6 +55,10 @@ SUPPORTED: dict[str, frozenset[str]] = {
     "chunked": frozenset(FEATURES) - {"dropout_rate", "return_weights"},
     "xla": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
     "cudnn": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
+    # jax's splash attention (Pallas, Mosaic TPU): a static query_offset only, float32 and
+    # bfloat16 only (qkv_jax.attention.splash.splash_refusal); never chosen by the rule.
+    "splash": frozenset(FEATURES)
+    - {"bias", "mask", "dropout_rate", "return_weights", "return_residual", "precision"},
 }
 # Supported on "cudnn", but not chosen for it automatically: that cuDNN's window and its
 # top-left alignment for T != S mean the same as here is checked on a GPU by

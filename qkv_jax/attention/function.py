@@ -14,6 +14,7 @@ from qkv_jax.attention.dispatch import accelerator_block_sizes, call_features, c
 from qkv_jax.attention.jax_nn import jax_nn_attention, matmul_precision_name
 from qkv_jax.attention.options import CallOptions, PrecisionLike, check_soft_cap, is_number
 from qkv_jax.attention.reference import reference_attention
+from qkv_jax.attention.splash import splash_attention
 from qkv_jax.attention.visibility import (
     KeyVisibility,
     check_length_values,
@@ -183,6 +184,9 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
         return reference_attention(
             query, key, value, bias, allowed, traced.sinks, scale=scale, options=options, dropout_rng=rng
         )
+    if implementation == "splash":
+        output = splash_attention(query, key, value, keys, traced.sinks, scale=scale, options=options)
+        return output, None, None
     if implementation == "chunked":
         platform = jax.default_backend()
         blocks = (None, None) if platform == "cpu" else accelerator_block_sizes(query, key, platform)
@@ -326,6 +330,10 @@ def dot_product_attention(
         "chunked": `qkv_jax.attention.chunked_attention`, blocked online
           softmax with memory O(T x block), skipping the tiles that causality,
           a window, lengths or segment ids rule out.
+        "splash": jax's splash attention (Pallas, Mosaic TPU; interpreted
+          elsewhere): causal, a window, a static offset, segment ids, lengths,
+          soft cap, sinks; float32 and bfloat16; no mask, bias, residual or
+          precision. Only when asked for: no TPU run has checked it yet.
         None: `select_implementation`'s rule (see there): "cudnn" on a GPU
           where it applies; on CPU "chunked" from `CHUNKED_MIN_KEYS` keys and
           "reference" below; on accelerators "xla" (else "reference") where
