@@ -52,6 +52,15 @@ def splash_refusal(query, key, value, keys: KeyVisibility, options: CallOptions)
     return None
 
 
+@jax.custom_vjp
+def _float32_cotangent(sinks: Array) -> Array:
+    """`sinks` (float32), whose cotangent splash returns in the queries' dtype, cast back."""
+    return sinks
+
+
+_float32_cotangent.defvjp(lambda sinks: (sinks, None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def _padded(length: int) -> tuple[int, int]:
     """`(padded length, block)`: `length` rounded up to a multiple of `BLOCKS[-1]`, and the widest
     of `BLOCKS` dividing it."""
@@ -149,7 +158,11 @@ def splash_attention(query, key, value, keys: KeyVisibility, sinks, *, scale, op
     q = _heads_first(query.astype(dtype), batch, padded[0])  # (B, N, Tp, H)
     k = _heads_first(key.astype(dtype), batch, padded[1])  # (B, K, Sp, H)
     v = _heads_first(value.astype(dtype), batch, padded[1])  # (B, K, Sp, Hv)
-    sinks = jnp.full((N,), NO_SINK, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    sinks = (
+        jnp.full((N,), NO_SINK, jnp.float32)
+        if sinks is None
+        else _float32_cotangent(sinks.astype(jnp.float32))
+    )
     sinks = jnp.broadcast_to(per_example(sinks, batch, (N,)), (math.prod(batch), N))  # (B, N)
     segments = _segment_ids(keys, batch, T, S, padded)
     kernel = _kernel(keys, N, *padded, options.soft_cap)

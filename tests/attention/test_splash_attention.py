@@ -40,7 +40,8 @@ CASES = {
             sinks=True,
         ),
     ),
-    # MQA, a left window under the causal triangle, soft cap, padded queries and keys, bfloat16.
+    # MQA, a left window under the causal triangle, soft cap, padded queries and keys, bfloat16
+    # (float32 sinks).
     "mqa-left-window-soft-cap-lengths-bf16": (
         (2,),
         6,
@@ -50,7 +51,13 @@ CASES = {
         8,
         8,
         jnp.bfloat16,
-        dict(is_causal=True, local_window_size=(2, 0), logits_soft_cap=1.5, lengths=([6, 4], [5, 6])),
+        dict(
+            is_causal=True,
+            local_window_size=(2, 0),
+            logits_soft_cap=1.5,
+            lengths=([6, 4], [5, 6]),
+            sinks=True,
+        ),
     ),
     # Two batch dims, a two-sided window whose negative offset leaves queries 0 and 1 without
     # keys (no sinks), value depth unequal to the query's, a static scale.
@@ -90,9 +97,9 @@ def case_inputs(name):
         key=rng.normal(size=(*batch, S, K, H)),
         value=rng.normal(size=(*batch, S, K, Hv)),
     )
-    if options.get("sinks"):
-        arrays["sinks"] = rng.normal(size=(*batch, N))
     arrays = {name: jnp.asarray(x, dtype) for name, x in arrays.items()}
+    if options.get("sinks"):
+        arrays["sinks"] = jnp.asarray(rng.normal(size=(*batch, N)), jnp.float32)  # parameters in float32
     statics = ("is_causal", "query_offset", "local_window_size", "logits_soft_cap", "scale")
     keywords = {k: options[k] for k in statics if k in options}
     if "segments" in options:
@@ -106,7 +113,8 @@ def case_inputs(name):
 
 @functools.cache
 def outputs_and_gradients(name, implementation, as_float32=False):
-    """The output and the gradients of `sum(sin(output))` w.r.t. the case's arrays, as float32."""
+    """The output and the gradients of `sum(sin(output))` w.r.t. the case's arrays, as float32, and
+    the gradients' dtypes."""
     arrays, keywords = case_inputs(name)
     if as_float32:
         arrays = {k: x.astype(jnp.float32) for k, x in arrays.items()}
@@ -116,7 +124,8 @@ def outputs_and_gradients(name, implementation, as_float32=False):
         return jnp.sum(jnp.sin(out.astype(jnp.float32))), out  # uneven weights on every output entry
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(arrays)
-    return np.asarray(out, np.float32), {k: np.asarray(g, np.float32) for k, g in grads.items()}
+    dtypes = {k: g.dtype for k, g in grads.items()}
+    return np.asarray(out, np.float32), {k: np.asarray(g, np.float32) for k, g in grads.items()}, dtypes
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +137,9 @@ def reference():
 
 @pytest.mark.parametrize("name", CASES)
 def test_splash_matches_the_reference_path(name, reference):
-    out, grads = outputs_and_gradients(name, "splash")
-    want, want_grads = reference(name)
+    out, grads, dtypes = outputs_and_gradients(name, "splash")
+    want, want_grads, _ = reference(name)
+    assert dtypes == {k: x.dtype for k, x in case_inputs(name)[0].items()}
     tolerance = F32_TOL if CASES[name][7] == jnp.float32 else BF16_TOL
     np.testing.assert_allclose(out, want, **tolerance)
     for array in want_grads:
@@ -144,7 +154,7 @@ def test_the_cases_reach_rows_without_keys(reference):
     """The splash test's zero-row check meets rows that see no key (where splash alone would
     average the values) in the packed and the window cases."""
     for name in ("gqa-causal-offset-packed-sinks", "two-sided-window-empty-rows-mla"):
-        out, _ = reference(name)
+        out, _, _ = reference(name)
         assert (np.abs(out).max(axis=(-2, -1)) == 0).any(), name
 
 
