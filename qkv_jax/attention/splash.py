@@ -16,15 +16,18 @@ no gradient, as on the other paths. On a TPU the kernels are compiled, elsewhere
 from __future__ import annotations
 
 import math
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from qkv_jax.attention.chunked import per_example
 from qkv_jax.attention.options import CallOptions
 from qkv_jax.attention.visibility import KeyVisibility, is_int
+
+if TYPE_CHECKING:
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash_types
 
 Array = jax.Array
 
@@ -36,6 +39,18 @@ BLOCKS = (512, 256, 128)
 # The logit of the sink a call without sinks carries: exp(NO_SINK - m) is 0 in float32 beside
 # any real logit m, and splash's masked logit (-0.7 x float32's max) weighs 0 beside it.
 NO_SINK = -1e30
+
+
+def _splash() -> ModuleType:
+    """jax's splash attention, imported on first use (importing qkv_jax does not need it)."""
+    try:
+        from jax.experimental.pallas.ops.tpu import splash_attention
+    except ImportError as error:
+        raise ValueError(
+            f"dot_product_attention: implementation='splash' needs jax's splash attention, which "
+            f"jax {jax.__version__} lacks ({error})"
+        ) from None
+    return splash_attention
 
 
 def splash_refusal(query, key, value, keys: KeyVisibility, options: CallOptions) -> str | None:
@@ -68,10 +83,11 @@ def _padded(length: int) -> tuple[int, int]:
     return padded, next(block for block in BLOCKS if padded % block == 0)
 
 
-def _static_mask(keys: KeyVisibility, num_heads: int, shape: tuple[int, int]) -> splash.MultiHeadMask:
+def _static_mask(keys: KeyVisibility, num_heads: int, shape: tuple[int, int]) -> splash_types.MultiHeadMask:
     """Splash's mask of the causal triangle and the window, `[N, T, S]` (padded lengths)."""
+    splash = _splash()
     offset = int(keys.query_offset or 0)
-    mask: splash.Mask
+    mask: splash_types.Mask
     if keys.window is not None:
         left, right = keys.window
         right = min(right, 0) if keys.is_causal else right  # the triangle cuts the window's right
@@ -84,7 +100,9 @@ def _static_mask(keys: KeyVisibility, num_heads: int, shape: tuple[int, int]) ->
 
 
 def _kernel(keys: KeyVisibility, num_heads: int, T: int, S: int, soft_cap: float | None):
-    """The splash kernel for padded lengths T and S (interpreted off a TPU)."""
+    """The splash kernel for padded lengths T and S (interpreted off a TPU), as a function of one
+    example's `(q [N, T, H], k [K, S, H], v [K, S, Hv], sinks [N], segment ids or None)`."""
+    splash = _splash()
     (_, block_q), (_, block_kv) = _padded(T), _padded(S)
     blocks = splash.BlockSizes(
         block_q=block_q,
@@ -93,7 +111,7 @@ def _kernel(keys: KeyVisibility, num_heads: int, T: int, S: int, soft_cap: float
         block_kv_dkv=block_kv,
         use_fused_bwd_kernel=True,
     )
-    return splash.make_splash_mha(
+    kernel = splash.make_splash_mha(
         _static_mask(keys, num_heads, (T, S)),
         block_sizes=blocks,
         attn_logits_soft_cap=soft_cap,
@@ -101,6 +119,11 @@ def _kernel(keys: KeyVisibility, num_heads: int, T: int, S: int, soft_cap: float
         q_seq_shards=1,
         interpret=jax.default_backend() != "tpu",
     )
+
+    def one_example(q, k, v, sinks, segments):
+        return kernel(q, k, v, None if segments is None else splash.SegmentIds(*segments), sinks)
+
+    return one_example
 
 
 def _absent_id(query_ids: Array) -> Array:
@@ -166,11 +189,7 @@ def splash_attention(query, key, value, keys: KeyVisibility, sinks, *, scale, op
     sinks = jnp.broadcast_to(per_example(sinks, batch, (N,)), (math.prod(batch), N))  # (B, N)
     segments = _segment_ids(keys, batch, T, S, padded)
     kernel = _kernel(keys, N, *padded, options.soft_cap)
-
-    def one_example(q, k, v, sinks, segments):  # (N, Tp, H), (K, Sp, H), (K, Sp, Hv), (N,)
-        return kernel(q, k, v, None if segments is None else splash.SegmentIds(*segments), sinks)
-
-    out = jax.vmap(one_example)(q, k, v, sinks, segments)[:, :, :T]  # (B, N, T, Hv)
+    out = jax.vmap(kernel)(q, k, v, sinks, segments)[:, :, :T]  # (B, N, T, Hv)
     out = jnp.swapaxes(out, 1, 2)  # (B, T, N, Hv)
     if keys.query_lengths is not None:
         padding = jnp.arange(T)[None, :] >= _lengths(keys.query_lengths, batch)[:, None]  # (B, T)
