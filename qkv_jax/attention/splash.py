@@ -7,7 +7,8 @@ custom VJP. Here the batch dims are flattened and vmapped, the scale is multipli
 queries, T and S are padded to its blocks (the padded keys get a segment id no query has), key
 lengths become segment ids the same way, and query lengths zero the padded queries' rows.
 
-Splash gives a row that sees no key the mean of the values it skips; here every call carries
+Splash gives a row that sees no key the mean of the masked values its blocks hold (and 0/0
+where it skips every block of the row); here every call carries
 a sink (`NO_SINK` where the caller gave none), whose weight 1 such a row keeps alone: output 0,
 no gradient, as on the other paths. On a TPU the kernels are compiled, elsewhere interpreted
 (Pallas' interpret mode: slow, for tests).
@@ -101,7 +102,8 @@ def _static_mask(keys: KeyVisibility, num_heads: int, shape: tuple[int, int]) ->
 
 def _kernel(keys: KeyVisibility, num_heads: int, T: int, S: int, soft_cap: float | None):
     """The splash kernel for padded lengths T and S (interpreted off a TPU), as a function of one
-    example's `(q [N, T, H], k [K, S, H], v [K, S, Hv], sinks [N], segment ids or None)`."""
+    example's `(q [N, T, H], k [K, S, H], v [K, S, Hv], sinks [N], segment ids or None)`; its
+    backward pass is splash's fused kernel (dq with dk and dv: one kernel fewer to run)."""
     splash = _splash()
     (_, block_q), (_, block_kv) = _padded(T), _padded(S)
     blocks = splash.BlockSizes(
