@@ -28,14 +28,15 @@ keys s <= t + query_offset and `local_window_size=(left, right)` keys within
 jax.nn's top-left alignment; `query_offset=S - T` puts the queries at the end
 of the keys (bottom-right), as when decoding from a cache of S keys.
 
-Five implementations compute the same thing (`implementation=`): "reference",
+Six implementations compute the same thing (`implementation=`): "reference",
 the explicit einsum/softmax of reference.py (the one to read, and the only one that
 returns weights or applies dropout); "xla", jax.nn's XLA path; "cudnn",
 jax.nn's cuDNN path (GPU only); "chunked", `chunked_attention`, a blocked
 online softmax whose memory grows as O(T x block) and which skips the tiles
 that causality, a window or segment ids rule out; "pallas", `pallas_attention`,
-the same as fused Pallas kernels (Triton on a GPU, interpret mode elsewhere;
-never the rule's choice). What each takes is one
+the same as fused Pallas kernels (Triton on a GPU, interpret mode elsewhere);
+and, only when asked for, "splash", jax's splash attention (Pallas, Mosaic TPU;
+splash.py). What each takes is one
 table, `SUPPORTED`; by default `select_implementation` picks one by a
 written rule that reads it, and `check_supported` checks a choice ahead of
 the call (as the modules do).
@@ -47,6 +48,7 @@ The package, one file per part:
   jax_nn.py      jax.nn's paths, "xla" and "cudnn"
   chunked.py     the blocked kernel, `chunked_attention`
   pallas.py      the fused Pallas kernels, `pallas_attention`
+  splash.py      the "splash" path: jax's splash attention kernels
   dispatch.py    the table of what each path supports, the rule, the checks
   options.py     `CallOptions`, the static options of one call
   function.py    `dot_product_attention` itself

@@ -28,7 +28,7 @@ __all__ = [
     "select_implementation",
 ]
 
-IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked", "pallas")
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "chunked", "pallas", "splash")
 # The arguments of dot_product_attention beyond query, key and value, by their keyword names.
 FEATURES = (
     "bias",
@@ -58,6 +58,10 @@ SUPPORTED: dict[str, frozenset[str]] = {
     "xla": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
     "cudnn": frozenset(FEATURES) - {"dropout_rate", "return_weights", "logits_soft_cap", "sinks"},
     "pallas": frozenset(FEATURES) - {"bias", "mask", "dropout_rate", "return_weights"},
+    # jax's splash attention (Pallas, Mosaic TPU): a static query_offset only, float32 and
+    # bfloat16 only (qkv_jax.attention.splash.splash_refusal); never chosen by the rule.
+    "splash": frozenset(FEATURES)
+    - {"bias", "mask", "dropout_rate", "return_weights", "return_residual", "precision"},
 }
 # Supported on "cudnn", but chosen for it automatically only once benchmarks/gpu_check.sh has
 # shown on a GPU that cuDNN's window and its top-left alignment for T != S (cases named
@@ -79,6 +83,7 @@ def _cudnn_unchecked() -> frozenset[str]:
         for feature, word in _CUDNN_CHECK_CASES.items()
         if not any(word in case for case in passed) or any(word in case for case in failed)
     )
+
 
 # On CPU, from this many keys on, "chunked"; below, "reference" (forward-mode differentiable).
 CHUNKED_MIN_KEYS = 64

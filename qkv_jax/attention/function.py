@@ -15,6 +15,7 @@ from qkv_jax.attention.jax_nn import jax_nn_attention, matmul_precision_name
 from qkv_jax.attention.options import CallOptions, PrecisionLike, check_soft_cap, is_number
 from qkv_jax.attention.pallas import pallas_attention
 from qkv_jax.attention.reference import reference_attention
+from qkv_jax.attention.splash import splash_attention
 from qkv_jax.attention.visibility import (
     KeyVisibility,
     check_length_values,
@@ -191,6 +192,9 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
         return reference_attention(
             query, key, value, bias, allowed, traced.sinks, scale=scale, options=options, dropout_rng=rng
         )
+    if implementation == "splash":
+        output = splash_attention(query, key, value, keys, traced.sinks, scale=scale, options=options)
+        return output, None, None
     if implementation == "chunked":
         platform = jax.default_backend()
         blocks = (None, None) if platform == "cpu" else accelerator_block_sizes(query, key, platform)
@@ -353,7 +357,11 @@ def dot_product_attention(
           or mask (the rules above instead), not float64. Its float32 dots
           run in IEEE float32 unless `precision` says 'high' (three TF32
           passes) or 'default' (one).
-          None does not choose it.
+          None chooses it on a GPU once benchmarks/gpu_check.sh has passed it there.
+        "splash": jax's splash attention (Pallas, Mosaic TPU; interpreted
+          elsewhere): causal, a window, a static offset, segment ids, lengths,
+          soft cap, sinks; float32 and bfloat16; no mask, bias, residual or
+          precision. Only when asked for: no TPU run has checked it yet.
         None: `select_implementation`'s rule (see there): "cudnn" on a GPU
           where it applies; on CPU "chunked" from `CHUNKED_MIN_KEYS` keys and
           "reference" below; on accelerators "xla" (else "reference") where
