@@ -264,6 +264,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             flags.FLAGS["config"].value.to_dict()  # a config file that failed to load raises here
     except Exception as error:  # noqa: BLE001 - any parsing or config-loading failure becomes one line
         fail(_describe_parse_error(error, argv), code=EXIT_CONFIG)
+    if "list_configs" in flags.FLAGS and flags.FLAGS.list_configs:
+        return remaining  # needs neither --config nor --workdir
     for name in ("config", "workdir"):
         if name == "workdir" and "pretrained" in flags.FLAGS:
             continue  # the launcher reads one of --workdir and --pretrained (`one_source`)
