@@ -61,6 +61,8 @@ __all__ = [
     "pack_documents",
     "without_adapters",
     "read_run",
+    "is_run",
+    "read_merged",
     "export_run",
 ]
 
@@ -323,6 +325,28 @@ def read_run(workdir: str | pathlib.Path) -> tuple[TransformerConfig, str]:
     return model_config, model_type
 
 
+def is_run(path: str | pathlib.Path) -> bool:
+    """Whether `path` is the workdir of a run of this task (config.json and pretrained/config.json)."""
+    path = pathlib.Path(path)
+    return (path / "config.json").is_file() and (path / PRETRAINED_DIR / "config.json").is_file()
+
+
+def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, int]:
+    """(the model's config without adapters, its parameters with the adapters merged into the
+    kernels, the checkpoint's step) of the run's newest verified checkpoint: the model
+    `export_run` writes, read in place. ValueError, one line, for a workdir without a run or a
+    checkpoint."""
+    workdir = pathlib.Path(workdir)
+    config, _ = read_run(workdir)
+    if not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ (the run has not saved one yet)")
+    try:
+        saved = read_params(workdir)
+    except NoCheckpointError as error:
+        raise ValueError(f"--workdir={str(workdir)!r}: {error}") from None
+    return without_adapters(config), merge_lora(saved.tree, config.lora_alpha), saved.step
+
+
 def export_run(
     workdir: str | pathlib.Path, out: str | pathlib.Path
 ) -> tuple[pathlib.Path, int, TransformerConfig]:
@@ -335,11 +359,7 @@ def export_run(
     config, model_type = read_run(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ to export")
-    try:
-        saved = read_params(workdir)
-    except NoCheckpointError as error:
-        raise ValueError(f"--workdir={str(workdir)!r}: {error}") from None
-    params = merge_lora(saved.tree, config.lora_alpha)
+    merged, params, step = read_merged(workdir)
     files = [workdir / PRETRAINED_DIR / TOKENIZER_FILE]
-    path = save_pretrained(out, without_adapters(config), params, model_type=model_type, files=files)
-    return path, saved.step, config
+    path = save_pretrained(out, merged, params, model_type=model_type, files=files)
+    return path, step, config
