@@ -334,8 +334,9 @@ def is_run(path: str | pathlib.Path) -> bool:
 def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, int]:
     """(the model's config without adapters, its parameters with the adapters merged into the
     kernels, the checkpoint's step) of the run's newest verified checkpoint: the model
-    `export_run` writes, read in place. ValueError, one line, for a workdir without a run or a
-    checkpoint."""
+    `export_run` writes, read in place as `load_pretrained` reads the export (the config's
+    `dtype` and `param_dtype` the parameters', the arrays on the default device). ValueError,
+    one line, for a workdir without a run or a checkpoint."""
     workdir = pathlib.Path(workdir)
     config, _ = read_run(workdir)
     if not (workdir / "checkpoints").is_dir():
@@ -344,7 +345,12 @@ def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, in
         saved = read_params(workdir)
     except NoCheckpointError as error:
         raise ValueError(f"--workdir={str(workdir)!r}: {error}") from None
-    return without_adapters(config), merge_lora(saved.tree, config.lora_alpha), saved.step
+    # On the default device, uncommitted, as `load_pretrained` places the export's: not on the
+    # training mesh the checkpoint was restored onto (another input sharding: another compile).
+    params = jax.tree.map(lambda x: jax.device_put(np.asarray(x)), merge_lora(saved.tree, config.lora_alpha))
+    stored = np.dtype(jax.tree.leaves(params)[0].dtype)
+    merged = dataclasses.replace(without_adapters(config), dtype=stored, param_dtype=stored)
+    return merged, params, saved.step
 
 
 def export_run(
@@ -359,7 +365,7 @@ def export_run(
     config, model_type = read_run(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ to export")
-    merged, params, step = read_merged(workdir)
+    _, params, step = read_merged(workdir)
     files = [workdir / PRETRAINED_DIR / TOKENIZER_FILE]
-    path = save_pretrained(out, merged, params, model_type=model_type, files=files)
+    path = save_pretrained(out, without_adapters(config), params, model_type=model_type, files=files)
     return path, step, config

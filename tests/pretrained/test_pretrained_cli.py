@@ -57,18 +57,6 @@ def tokenizer(directory):
     return load_tokenizer(directory)
 
 
-def greedy(directory, ids, new_tokens):
-    """transformers' greedy continuation of `ids` `[P]` (all `new_tokens`: no stop at EOS)."""
-    import torch
-
-    model = tiny_checkpoints.load_transformers(directory)
-    model.generation_config.eos_token_id = None
-    prompt = torch.as_tensor(ids[None], dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
@@ -88,7 +76,7 @@ def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
     samples = [
         [int(t) for t in line.split(": ", 1)[1].split()] for line in lines if line.startswith("token ids")
     ]
-    expected = greedy(directory, ids, 12 if length else left)
+    expected = tiny_checkpoints.greedy(directory, ids, 12 if length else left)
     assert samples == [expected, expected]
     assert len(set(expected)) > 2  # a continuation, not one token repeated
     text = tokenizer(directory).decode(np.concatenate([ids, expected]))
