@@ -82,8 +82,16 @@ def outside(fig) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(PICTURES))
 def test_every_text_lies_inside_the_picture(name, tmp_path, monkeypatch):
+    """Each picture as `_save` gets it (laid out at draw time, as savefig lays it out)."""
+    import matplotlib.pyplot as plt
+
     drawn = []
-    save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(outside(fig)), save(fig, path))[1])
-    assert PICTURES[name](tmp_path / "picture.png").exists()
+
+    def check(fig, path):
+        drawn.append(outside(fig))
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", check)
+    PICTURES[name](tmp_path / "picture.png")
     assert drawn == [[]], f"{name}: text outside the figure: {drawn}"
