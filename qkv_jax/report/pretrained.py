@@ -6,6 +6,12 @@
   read_text(tokenizer, model, text, flag)  `[T]` token ids and their labels
   report_pretrained(directory, out, prompt, patching=None)
                                         out/report.json and out/report.html
+  checkpoint_files(directory)           where config.json, tokenizer.json and
+                                        generation_config.json are
+
+Each takes a Hugging Face directory or a fine-tuning run's workdir
+(`qkv_jax.tasks.pretrained_text`), read as the directory its export writes: the run's
+tokenizer and its newest checkpoint with the adapters merged.
 
 The page is `qkv_jax.report.run`'s (`page_data`, `write_run_page`) with the checkpoint's
 weights as its one checkpoint (shown as step 0) and no loss curves. Its diagnostics are
@@ -41,6 +47,7 @@ from qkv_jax.training.workdir import check_workdir_path, plain, write_json
 __all__ = [
     "INDUCTION_LENGTH",
     "PATCHING_COMMAND",
+    "checkpoint_files",
     "open_pretrained",
     "load_params",
     "read_text",
@@ -56,6 +63,14 @@ PATCHING_COMMAND = (
 )
 
 
+def checkpoint_files(directory: str | pathlib.Path) -> pathlib.Path:
+    """Where a checkpoint's config.json, tokenizer.json and generation_config.json (its
+    end-of-text ids, when it has one) are: a Hugging Face directory itself, or a fine-tuning
+    run's `pretrained/` (the source's, as its export writes them)."""
+    path = pathlib.Path(directory)
+    return path / pretrained_text.PRETRAINED_DIR if pretrained_text.is_run(path) else path
+
+
 def open_pretrained(directory: str | pathlib.Path) -> tuple[TransformerLM, PretrainedTokenizer]:
     """The TransformerLM of `directory`'s config.json (float32; no tensor is read) and its
     tokenizer.json; ConfigError, one line, for a directory that is not a Hugging Face
@@ -67,7 +82,7 @@ def open_pretrained(directory: str | pathlib.Path) -> tuple[TransformerLM, Pretr
     if pretrained_text.is_run(path):
         try:
             config, _ = pretrained_text.read_run(path)
-            tokenizer = load_tokenizer(path / pretrained_text.PRETRAINED_DIR, vocab_size=config.vocab_size)
+            tokenizer = load_tokenizer(checkpoint_files(path), vocab_size=config.vocab_size)
         except ValueError as error:
             raise ConfigError(str(error)) from None
         return TransformerLM(pretrained_text.without_adapters(config)), tokenizer
@@ -136,14 +151,13 @@ def prompt_diagnostics(model: TransformerLM, params: Any, ids: np.ndarray, key: 
 def _described(directory: pathlib.Path) -> tuple[dict, str, str]:
     """(the config.json, the page's subtitle, its first note) of a Hugging Face directory or of a
     fine-tuning run (its pretrained/config.json)."""
+    hf_config = json.loads((checkpoint_files(directory) / "config.json").read_text())
     if pretrained_text.is_run(directory):
-        hf_config = json.loads((directory / pretrained_text.PRETRAINED_DIR / "config.json").read_text())
         subtitle = f"{directory.resolve()}: the run's newest checkpoint, its adapters merged"
         note = (
             "a fine-tuning run: its newest checkpoint is the one shown (as step 0); its loss is in loss.png"
         )
         return hf_config, subtitle, note
-    hf_config = json.loads((directory / "config.json").read_text())
     note = (
         "a pretrained checkpoint: its weights are the one checkpoint shown (as step 0), and it has no "
         "loss curves here"

@@ -66,9 +66,10 @@ __all__ = [
     "export_run",
 ]
 
-# The workdir's copy of what the run started from: config.json (the model without adapters)
-# and tokenizer.json.
+# The workdir's copy of what the run started from: config.json (the model without adapters),
+# tokenizer.json and, when the source has one, generation_config.json (its end-of-text ids).
 PRETRAINED_DIR = "pretrained"
+GENERATION_CONFIG = "generation_config.json"
 _ADAPTER_DEFAULTS: dict[str, Any] = {
     f.name: f.default
     for f in dataclasses.fields(TransformerConfig)
@@ -160,6 +161,11 @@ def _targets_of(tokens: jax.Array, segments: jax.Array) -> dict:
     return {"inputs": inputs, "targets": targets, "segments": before, "weights": weights}
 
 
+def _copy_text(source: pathlib.Path, target: pathlib.Path) -> None:
+    text = source.read_text(encoding="utf-8")
+    write_atomic(target, lambda file: file.write(text))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
 class PretrainedText:
     """The task's pure functions (`Setup`'s fields are its bound methods)."""
@@ -204,14 +210,16 @@ class PretrainedText:
         return metrics, {}
 
     def save_examples(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
-        """`pretrained/` (config.json of the model without adapters, the source's tokenizer.json),
-        written atomically file by file when the run starts."""
+        """`pretrained/` (config.json of the model without adapters, the source's tokenizer.json
+        and generation_config.json when it has one), written atomically file by file when the run
+        starts."""
         del examples
         if stage == "before":
             directory = pathlib.Path(workdir) / PRETRAINED_DIR
             directory.mkdir(exist_ok=True)
-            tokenizer = (self.source / TOKENIZER_FILE).read_text(encoding="utf-8")
-            write_atomic(directory / TOKENIZER_FILE, lambda file: file.write(tokenizer))
+            for name in (TOKENIZER_FILE, GENERATION_CONFIG):
+                if name == TOKENIZER_FILE or (self.source / name).is_file():
+                    _copy_text(self.source / name, directory / name)
             write_json(directory / "config.json", self.hf_config)
         return {}
 
@@ -357,7 +365,8 @@ def export_run(
     workdir: str | pathlib.Path, out: str | pathlib.Path
 ) -> tuple[pathlib.Path, int, TransformerConfig]:
     """Writes the run's newest verified checkpoint, adapters merged, as a Hugging Face directory
-    `out` (with the source's tokenizer.json) through `save_pretrained`; returns (its path, the
+    `out` (with the source's tokenizer.json, and generation_config.json when it has one) through
+    `save_pretrained`; returns (its path, the
     checkpoint's step, the trained model's config, adapters included). ValueError, one line, for
     a workdir without a run or a checkpoint, and for an `out` that is not empty (nothing is
     overwritten)."""
@@ -366,6 +375,7 @@ def export_run(
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ to export")
     _, params, step = read_merged(workdir)
-    files = [workdir / PRETRAINED_DIR / TOKENIZER_FILE]
+    files = [workdir / PRETRAINED_DIR / name for name in (TOKENIZER_FILE, GENERATION_CONFIG)]
+    files = [path for path in files if path.name == TOKENIZER_FILE or path.is_file()]
     path = save_pretrained(out, without_adapters(config), params, model_type=model_type, files=files)
     return path, step, config

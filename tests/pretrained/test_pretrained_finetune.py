@@ -135,6 +135,12 @@ def assert_read_in_place_as_exported(workdir, exported, out):
     exported page's data."""
     import jax
 
+    from qkv_jax.report.pretrained import checkpoint_files
+
+    for name in ("tokenizer.json", "generation_config.json"):  # the end-of-text ids among them
+        assert (checkpoint_files(workdir) / name).read_bytes() == (
+            checkpoint_files(exported) / name
+        ).read_bytes()
     in_place, from_export = read_in_place_and_exported(workdir, exported, out)
     assert in_place[:2] == from_export[:2]  # the model's config, the prompt's ids
     assert jax.tree.structure(in_place[2]) == jax.tree.structure(from_export[2])
@@ -300,11 +306,15 @@ def test_lora_fine_tune_exports_to_transformers_with_the_merged_logits(kind, sou
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
     ]
-    source_tokenizer = (directories[kind] / "tokenizer.json").read_bytes()
-    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == source_tokenizer
+    # The source's tokenizer and end-of-text ids, in the run's pretrained/ and in the export.
+    for name in ("tokenizer.json", "generation_config.json"):
+        source = (directories[kind] / name).read_bytes()
+        assert (workdir / PRETRAINED_DIR / name).read_bytes() == source
+        assert (tmp_path / "hf" / name).read_bytes() == source
     adapted, merged = qkv_logits(workdir)
     assert_same_logits(merged, adapted)
     exported = tiny_checkpoints.logits(tiny_checkpoints.load_transformers(tmp_path / "hf"), PROBE)
