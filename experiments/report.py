@@ -83,13 +83,18 @@ def report_pretrained(patching: tuple[str, str] | None) -> None:
 def report_finetuning_run(patching: tuple[str, str] | None) -> None:
     """A fine-tuning run: the run's report (loss.png, report.json's evaluation), then with --prompt
     the Hugging Face page of its newest checkpoint, adapters merged (as its export would read)."""
-    from qkv_jax.report.pretrained import report_pretrained
+    from qkv_jax.report.pretrained import open_pretrained, read_text, report_pretrained
     from qkv_jax.report.run import report_run
     from qkv_jax.training import ConfigError
 
     if patching is not None and not FLAGS.prompt:
         common.fail("--clean and --corrupted: a fine-tuning run's page needs --prompt too", code=2)
     try:
+        if FLAGS.prompt:  # each text read before anything is computed or written
+            shape, tokenizer = open_pretrained(FLAGS.workdir)
+            for flag in ("prompt", "clean", "corrupted"):
+                if FLAGS[flag].value is not None:
+                    read_text(tokenizer, shape, FLAGS[flag].value, f"--{flag}")
         report = report_run(FLAGS.workdir)
         if FLAGS.prompt:
             report = report_pretrained(FLAGS.workdir, FLAGS.workdir, FLAGS.prompt, patching, extra=report)
