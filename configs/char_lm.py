@@ -67,13 +67,19 @@ SIZES = {
     # The GPU-sized shape (an accelerator's: bf16 compute; minutes on a CPU per step).
     "gpu": dict(layers=6, width=768, heads=12, seq_len=1024, steps=2000, checkpoint_every=500, sample=200),
 }
-VARIANTS = tuple(SIZES)
+# variant -> what it is for (`--list_configs` shows these); the first is the default.
+VARIANTS = {
+    "default": "2 layers at width 128 on 256-character windows, 500 steps (a few minutes on a CPU)",
+    "tiny": "width 32, 64-character windows, 40 steps: seconds a run, for trying the commands",
+    "study": "8 heads, 128-character windows, 300 steps: the base of experiments.study",
+    "gpu": "6 layers, d_model 768, 1024-character windows, bfloat16: for an accelerator",
+}
 
 
 def get_config(arg=None):
     variant = arg or "default"
     if variant not in VARIANTS:
-        raise ValueError(f"configs/char_lm.py:{variant}: unknown variant; choose one of {VARIANTS}")
+        raise ValueError(f"configs/char_lm.py:{variant}: unknown variant; choose one of {tuple(VARIANTS)}")
     sizes = SIZES[variant]
     config = common.base("char_lm")
     config.model = common.transformer(

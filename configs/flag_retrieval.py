@@ -36,7 +36,15 @@ import ml_collections
 
 from configs import common
 
-VARIANTS = ("learned_query", "static", "multihead", "two_flag", "thermostat", "logit_scale")
+# variant -> what it trains (`--list_configs` shows these); the first is the default.
+VARIANTS = {
+    "learned_query": "one learned query vector with W_q, W_k, W_v (the main job)",
+    "static": "nothing trainable: Q = K = V = X, the mean token as the query (the baseline)",
+    "multihead": "MultiHeadAttention with a learned query token and W_O",
+    "two_flag": "two flag channels; the target is both flagged contents",
+    "thermostat": "the learned-query model at d_k=256, where the 1/sqrt(d_k) scale matters",
+    "logit_scale": "one MultiHeadAttention head at d_k=256, the base of the logit_scale study",
+}
 # The logit_scale study's ways of keeping the attention logits in range, as model overrides:
 # no scale, 1/sqrt(d_k), QK-norm (RMS) without and with the scale, a soft cap at 5 without it.
 LOGIT_SCALE_ARMS = tuple(
@@ -54,12 +62,14 @@ LOGIT_SCALE_ARMS = tuple(
 def get_config(arg=None):
     variant = arg or "learned_query"
     if variant not in VARIANTS:
-        raise ValueError(f"configs/flag_retrieval.py:{variant}: unknown variant; choose one of {VARIANTS}")
+        raise ValueError(
+            f"configs/flag_retrieval.py:{variant}: unknown variant; choose one of {tuple(VARIANTS)}"
+        )
     config = common.base("flag_retrieval")
 
     config.model = ml_collections.ConfigDict()
-    # learned_query (one learned query vector with W_q, W_k, W_v), static (no parameters) or multihead.
     multihead = {"multihead", "two_flag", "logit_scale"}
+    # learned_query (one learned query vector with W_q, W_k, W_v), static (no parameters) or multihead.
     config.model.kind = (
         "static" if variant == "static" else "multihead" if variant in multihead else "learned_query"
     )

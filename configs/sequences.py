@@ -26,17 +26,29 @@ TASKS = {
     # The longest repeated segment (sequences are 2 * length tokens); tokens 0 .. vocab_size - 1.
     "repeat": ({"length": 16, "vocab_size": 32}, 1500),
 }
-VARIANTS = tuple(TASKS)
+# variant -> its task (`--list_configs` shows these); the first is the default.
+VARIANTS = {
+    "copy": "random symbols, a separator, the same symbols again",
+    "brackets": "a random bracket prefix, '=', the closing brackets that complete it",
+    "repeat": "a random segment of random length, repeated (induction heads form)",
+}
 
 
 def get_config(arg=None):
     variant = arg or "copy"
     if variant not in TASKS:
-        raise ValueError(f"configs/sequences.py:{variant}: unknown variant; choose one of {VARIANTS}")
+        raise ValueError(f"configs/sequences.py:{variant}: unknown variant; choose one of {tuple(VARIANTS)}")
     fields, steps = TASKS[variant]
     config = common.base(f"lm_{variant}")
     config.task = common.task("qkv_jax.tasks.sequences", variant)
-    config.task.update(fields)
+    # The task's size: symbols to copy, brackets in the prefix, or the longest repeated segment.
+    config.task.length = fields["length"]
+    if "vocab_size" in fields:
+        # Tokens: copy's separator 0 and symbols 1 .. vocab_size - 1; repeat's 0 .. vocab_size - 1.
+        config.task.vocab_size = fields["vocab_size"]
+    if "num_types" in fields:
+        # Bracket types (vocabulary: pad, '=', an opener and a closer per type).
+        config.task.num_types = fields["num_types"]
     # Positions: the sequence length, 2 * task.length (lazy, follows overrides).
     config.model = common.transformer(
         num_layers=2, d_model=64, num_heads=4, max_len=config.task.get_ref("length") * 2

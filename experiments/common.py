@@ -2,7 +2,8 @@
 
 A launcher's output is its results: stdout holds them, and stderr holds
 nothing but one line per warning (`warning: ...`) and, when it fails, one
-line saying why (`error: ...`), in this project's words. Exit codes: 0 done,
+line saying why (`error: ...`), in this project's words. Exit codes: 0 done
+(and after -h, --help, --helpshort or --helpfull printed the launcher's help),
 1 a failure while running (the loss stopped being finite, a full disk, a
 sweep cell that failed, ...), 2 a command that cannot run as given (a bad
 flag, config or workdir; nothing was written), 75 stopped by SIGTERM/SIGINT
@@ -41,6 +42,7 @@ __all__ = [
     "config_sweep",
     "run_main",
     "define_common_flags",
+    "launcher_help",
 ]
 
 DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "qkv_jax" / "jax_compilation_cache"
@@ -200,6 +202,58 @@ def _describe_parse_error(error: Exception, argv: Sequence[str]) -> str:
     return text.strip("'\"") or type(error).__name__
 
 
+# --- Help -------------------------------------------------------------------------------------
+
+_SHORT_HELP = ("h", "help", "helpshort", "?")
+_FULL_HELP = ("helpfull",)
+
+
+def _help_asked(argv: Sequence[str]) -> str | None:
+    """ "short" or "full" when `argv` asks for help (-h, --help, --helpshort, -?, --helpfull) before
+    any `--`, else None; a flag's value (`--prompt -h`) is not a request."""
+    from absl import flags
+
+    takes_value = False
+    for arg in argv[1:]:
+        if arg == "--":
+            return None
+        name = arg.lstrip("-")
+        if arg.startswith("-") and not takes_value:
+            if name in _SHORT_HELP:
+                return "short"
+            if name in _FULL_HELP:
+                return "full"
+        known = "=" not in name and name in flags.FLAGS and not flags.FLAGS[name].boolean
+        takes_value = arg.startswith("-") and not takes_value and known
+    return None
+
+
+def _module_flags(key: str) -> list[str]:
+    """absl's help lines for the flags `key` (a module's name or file) defines, without its heading."""
+    from absl import flags
+
+    return [line for line in flags.FLAGS.module_help(key).splitlines() if line.startswith(" ")]
+
+
+def launcher_help(module: ModuleType, full: bool = False) -> str:
+    """A launcher's help: its docstring (what it does, example commands), then its own flags, then
+    the flags every launcher takes, then with `full` every other module's (absl's, JAX's)."""
+    from absl import flags
+
+    by_module = flags.FLAGS.flags_by_module_dict()
+    own = next((k for k in (module.__name__, getattr(module, "__file__", "")) if k in by_module), None)
+    shared = __name__
+    name = module.__spec__.name if module.__spec__ is not None else module.__name__
+    lines = [(module.__doc__ or f"python -m {name}").strip(), "", f"flags of {name}:"]
+    lines += _module_flags(own) if own else ["  (none)"]
+    lines += ["", f"flags every launcher takes ({shared}):", *_module_flags(shared), ""]
+    if not full:
+        return "\n".join([*lines, "--helpfull lists absl's and the libraries' flags too."])
+    for key in sorted(set(by_module) - {own, shared}):
+        lines += [f"{key}:", *_module_flags(key), ""]
+    return "\n".join(lines)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing that turns every parse or config error into one line (exit 2)."""
     from absl import flags
@@ -210,6 +264,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             flags.FLAGS["config"].value.to_dict()  # a config file that failed to load raises here
     except Exception as error:  # noqa: BLE001 - any parsing or config-loading failure becomes one line
         fail(_describe_parse_error(error, argv), code=EXIT_CONFIG)
+    if "list_configs" in flags.FLAGS and flags.FLAGS.list_configs:
+        return remaining  # needs neither --config nor --workdir
     for name in ("config", "workdir"):
         if name == "workdir" and "pretrained" in flags.FLAGS:
             continue  # the launcher reads one of --workdir and --pretrained (`one_source`)
@@ -385,6 +441,11 @@ def run_main(main: Callable[[list[str]], Any], positional: int = 0, argv: list[s
     sys.argv) is what a test passes to run a launcher in-process; ml_collections reads config
     overrides from sys.argv, so it is set to `argv` for the call."""
     from absl import app
+
+    asked = _help_asked(sys.argv if argv is None else argv)
+    if asked is not None:
+        print(launcher_help(sys.modules[main.__module__], full=asked == "full"))
+        sys.exit(0)
 
     def checked(argv: list[str]) -> Any:
         _one_line_logs()

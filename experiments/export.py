@@ -3,7 +3,8 @@ r"""Export a pretrained_text run as a Hugging Face directory that transformers l
   python -m experiments.export --workdir runs/ft_lora --out runs/ft_lora_hf
 
 Reads the run's newest verified checkpoint, merges its LoRA adapters into the kernels and
-writes config.json, model.safetensors and the source's tokenizer.json into --out (atomically,
+writes config.json, model.safetensors and the source's tokenizer.json (and generation_config.json,
+its end-of-text ids, when the source has one) into --out (atomically,
 through qkv_jax.save_pretrained). An --out that exists and is not empty is refused (exit 2,
 nothing overwritten), as is a workdir without a run or a checkpoint.
 """

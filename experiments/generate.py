@@ -1,4 +1,4 @@
-r"""Sample text from the newest checkpoint of a char_lm run, or from a Hugging Face checkpoint.
+r"""Sample text from the newest checkpoint of a run, or from a Hugging Face checkpoint.
 
   python -m experiments.generate --workdir runs/char_lm --prompt "def " --max_new_tokens 200 \
     [--temperature 0.8] [--top_k 20] [--num_samples 1] [--seed 0]
@@ -14,27 +14,63 @@ token: it always adds --max_new_tokens. --temperature 0 is greedy, the tokens tr
 
 Decodes with the KV cache; the prompt and the new tokens must fit in the model's max_len
 positions.
+
+A fine-tuning run's workdir (configs/pretrained_text.py: LoRA or full, GQA-converted too)
+reads as the directory `experiments.export` would write from it: the run's tokenizer.json and
+its newest checkpoint with the adapters merged, no export needed:
+
+  python -m experiments.generate --workdir runs/ft_lora --prompt "The keys and" --temperature 0
+
+Left out, --max_new_tokens is 200 or the positions the model has left after the prompt,
+whichever is fewer (a one-line notice on stderr when fewer).
 """
+
+import sys
 
 from absl import flags
 
 from experiments import common
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Workdir of a char_lm run (config.json, tokenizer.json, checkpoints/).")
+flags.DEFINE_string("workdir", None, "Workdir of a char_lm run or of a fine-tuning (pretrained_text) run.")
 flags.DEFINE_string(
     "pretrained",
     None,
     "A Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer.json).",
 )
 flags.DEFINE_string("prompt", "def ", "Text the samples continue.")
-flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per sample.", lower_bound=1)
+flags.DEFINE_integer(
+    "max_new_tokens",
+    200,
+    "Tokens to generate per sample; left out, 200 or the positions the model has left after the "
+    "prompt, whichever is fewer.",
+    lower_bound=1,
+)
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
 flags.DEFINE_integer("top_k", None, "Sample among the k most likely tokens only.", lower_bound=1)
 flags.DEFINE_integer("num_samples", 1, "Independent samples.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seeds the sampling.", lower_bound=0)
 flags.DEFINE_bool("print_token_ids", False, "Print each sample's new token ids on a line of their own.")
 common.define_common_flags()
+
+
+def fit_max_new_tokens(model, prompt_length: int) -> None:
+    """Without --max_new_tokens on the command line, its default clipped to the positions `model`
+    has left after a prompt of `prompt_length` tokens, with a one-line notice when clipped."""
+    from qkv_jax.lm import decode_capacity
+
+    capacity = decode_capacity(model.config)
+    if FLAGS["max_new_tokens"].present or capacity is None:
+        return
+    left = capacity - prompt_length + 1  # the last new token needs no position of its own
+    if left < FLAGS.max_new_tokens:
+        FLAGS.max_new_tokens = max(left, 1)  # none left: `check` says the prompt is too long
+        if left >= 1:
+            print(
+                f"warning: --max_new_tokens={left}, not {FLAGS['max_new_tokens'].default}: the positions the "
+                f"model's max_len={model.config.max_len} leaves after the prompt's {prompt_length} tokens",
+                file=sys.stderr,
+            )
 
 
 def check(model, prompt) -> None:
@@ -85,6 +121,7 @@ def from_run() -> None:
         prompt = np.tile(tokenizer.encode(FLAGS.prompt), (FLAGS.num_samples, 1))
     except ValueError as error:
         common.fail(str(error), code=2)
+    fit_max_new_tokens(model, prompt.shape[1])
     check(model, prompt)
     common.enable_compilation_cache(FLAGS.compilation_cache)
     import jax
@@ -113,6 +150,7 @@ def from_pretrained() -> None:
     except ValueError as error:
         common.fail(str(error), code=2)
     prompt = np.tile(ids, (FLAGS.num_samples, 1))
+    fit_max_new_tokens(shape, prompt.shape[1])
     check(shape, prompt)
     common.enable_compilation_cache(FLAGS.compilation_cache)
     try:
@@ -123,9 +161,19 @@ def from_pretrained() -> None:
     show(tokens, FLAGS.pretrained, lambda row: tokenizer.decode(np.concatenate([ids, row])))
 
 
+def is_finetuning_run() -> bool:
+    """Whether --workdir is a fine-tuning run (configs/pretrained_text.py): it reads as the
+    directory its export would write (the run's tokenizer, its newest checkpoint merged)."""
+    from qkv_jax.tasks.pretrained_text import is_run
+
+    return is_run(FLAGS.workdir)
+
+
 def main(argv):
     del argv  # run_main refuses positional arguments
     source = common.one_source()
+    if source == "workdir" and is_finetuning_run():
+        FLAGS.pretrained, source = FLAGS.workdir, "pretrained"
     if not FLAGS.prompt:
         common.fail("--prompt: must not be empty", code=2)
     if source == "workdir":

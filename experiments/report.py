@@ -20,6 +20,10 @@ and for a language model with --clean and --corrupted a patching heat map.
 A sweep: loss_curves.png, the table plots, each cell's report.html (its first
 seed) and results.html linking to them.
 
+A fine-tuning run (configs/pretrained_text.py: LoRA or full, GQA-converted too): loss.png and
+report.json's evaluation, and with --prompt (and --clean, --corrupted) the Hugging Face report
+below of its newest checkpoint, adapters merged, written into the workdir: no export needed.
+
 A Hugging Face checkpoint (--pretrained: config.json, model.safetensors and its
 tokenizer.json; give --prompt and --out): OUT/report.json with the prompt's tokens, each
 head's diagnostics on it (entropy, distance, previous and first token, max weight) and
@@ -76,6 +80,33 @@ def report_pretrained(patching: tuple[str, str] | None) -> None:
         print(f"  patching answer, contrast    {patched['answer']!r}, {patched['contrast']!r}")
 
 
+def report_finetuning_run(patching: tuple[str, str] | None) -> None:
+    """A fine-tuning run: the run's report (loss.png, report.json's evaluation), then with --prompt
+    the Hugging Face page of its newest checkpoint, adapters merged (as its export would read)."""
+    from qkv_jax.report.pretrained import open_pretrained, read_text, report_pretrained
+    from qkv_jax.report.run import report_run
+    from qkv_jax.training import ConfigError
+
+    if patching is not None and not FLAGS.prompt:
+        common.fail("--clean and --corrupted: a fine-tuning run's page needs --prompt too", code=2)
+    try:
+        if FLAGS.prompt:  # each text read before anything is computed or written
+            shape, tokenizer = open_pretrained(FLAGS.workdir)
+            for flag in ("prompt", "clean", "corrupted"):
+                if FLAGS[flag].value is not None:
+                    read_text(tokenizer, shape, FLAGS[flag].value, f"--{flag}")
+        report = report_run(FLAGS.workdir)
+        if FLAGS.prompt:
+            report = report_pretrained(FLAGS.workdir, FLAGS.workdir, FLAGS.prompt, patching, extra=report)
+    except ConfigError as error:
+        common.fail(str(error), code=2)
+    page = " and report.html" if FLAGS.prompt else " (--prompt adds report.html)"
+    print(f"checkpoint step {report['step']}; wrote {FLAGS.workdir}/loss.png, report.json{page}")
+    for name, value in report.items():
+        if name.startswith("eval_"):
+            print(f"  {name:28s} {value:.4g}")
+
+
 def main(argv):
     del argv  # run_main refuses positional arguments
     source = common.one_source()
@@ -93,6 +124,11 @@ def main(argv):
         return
     if FLAGS.out is not None:
         common.fail("--out: only with --pretrained (a run's report is written into its workdir)", code=2)
+    from qkv_jax.tasks.pretrained_text import is_run
+
+    if is_run(FLAGS.workdir):
+        report_finetuning_run(patching)
+        return
     try:
         if is_sweep(FLAGS.workdir):
             if patching is not None:

@@ -2,6 +2,11 @@ r"""Train one experiment: `train_and_evaluate(config, workdir)` from the command
 
   python -m experiments.train --config configs/flag_retrieval.py --workdir runs/flag \
     [--config.model.d_k=4 ...] [--check]
+  python -m experiments.train --list_configs
+
+--list_configs lists the config files in configs/ and their variants, one line each;
+--check prints every field of the resolved config, its value and its comment from the
+config file (* marks those the command line sets).
 
 Re-running the same command resumes from the workdir's newest checkpoint; on a
 finished run it changes nothing and prints the run's results. A larger
@@ -18,6 +23,7 @@ simulates them on a CPU). Many processes: the same command on each host with
 """
 
 import pathlib
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -33,7 +39,11 @@ flags.DEFINE_bool(
     "check",
     False,
     "Check the command (config, task build, device mesh, workdir), say what the run would do, and "
-    "exit without writing or compiling anything.",
+    "exit without writing or compiling anything; prints every config field with its value and "
+    "meaning, * marking those the command line sets.",
+)
+flags.DEFINE_bool(
+    "list_configs", False, "List the config files in configs/ and their :variants, one line each, and exit."
 )
 common.define_common_flags()
 
@@ -82,13 +92,22 @@ def describe(summary: dict, workdir: str) -> str:
 
 def main(argv):
     del argv  # run_main refuses positional arguments
+    from experiments import config_catalogue
+
+    if FLAGS.list_configs:
+        print(config_catalogue.list_configs())
+        return
     if FLAGS.check:
         common.initialize_devices(distributed=False)
+        from ml_collections import config_flags
+
         from qkv_jax.training.run import check_run
 
         with common.training_errors():
             plan = check_run(FLAGS.config, FLAGS.workdir)
+        argument = config_flags.get_config_filename(FLAGS["config"])
         print(f"ok: {plan}; nothing was written")
+        print(config_catalogue.describe_config(FLAGS.config, argument, sys.argv))
         return
     common.initialize_devices()
     common.enable_compilation_cache(FLAGS.compilation_cache)

@@ -39,8 +39,9 @@ def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathl
     fig, axes = plt.subplots(
         1,
         num_heads,
-        figsize=(1.2 + 0.55 * seq_len * num_heads, 0.9 + 0.4 * num_examples),
+        figsize=(1.6 + 0.55 * seq_len * num_heads, 0.9 + 0.4 * num_examples),
         squeeze=False,
+        layout="constrained",  # room for the titles, the labels and the colorbar's label
     )
     for head, ax in enumerate(axes[0]):
         image = ax.imshow(weights[:, head, :], vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
@@ -60,10 +61,9 @@ def plot_flag_attention(weights, flag_positions, path, title: str = "") -> pathl
         if head == 0:
             ax.set_ylabel("example")
         ax.set_title(f"head {head}" if num_heads > 1 else "attention weights")
-    fig.colorbar(image, cax=fig.add_axes((0.87, 0.2, 0.025, 0.62)), label="weight")
+    fig.colorbar(image, ax=axes[0].tolist(), label="weight", fraction=0.05, pad=0.03)
     if title:
         fig.suptitle(title)
-    fig.subplots_adjust(left=0.12, right=0.84, bottom=0.2, top=0.82, wspace=0.25)
     return _save(fig, path)
 
 
@@ -99,7 +99,9 @@ def plot_sweep_lines(points, x_field: str, series_field: str | None, metric: str
 def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, path) -> pathlib.Path:
     """Heatmap of `values` `[len(ys), len(xs)]` (nan = skipped cell), annotated."""
     values = np.asarray(values, dtype=float)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(xs), 1.4 + 0.7 * len(ys)))
+    title = f"{metric} (mean over seeds)"
+    width = max(1.6 + 1.0 * len(xs), 1.2 + 0.1 * len(title))  # the title's characters fit
+    fig, ax = plt.subplots(figsize=(width, 1.4 + 0.7 * len(ys)))
     image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
     for (row, col), value in np.ndenumerate(values):
         text = "skipped" if np.isnan(value) else f"{value:.3g}"
@@ -117,7 +119,7 @@ def plot_sweep_heatmap(values, xs, ys, x_field: str, y_field: str, metric: str, 
     ax.set_yticks(range(len(ys)), labels=[str(y) for y in ys])
     ax.set_xlabel(x_field)
     ax.set_ylabel(y_field)
-    ax.set_title(f"{metric} (mean over seeds)")
+    ax.set_title(title)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     return _save(fig, path)

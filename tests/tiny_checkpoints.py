@@ -109,3 +109,15 @@ def logits(model, ids) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def greedy(directory: str | pathlib.Path, ids: np.ndarray, new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `ids` `[P]` (all `new_tokens`: no stop at EOS)."""
+    import torch
+
+    model = load_transformers(directory)
+    model.generation_config.eos_token_id = None
+    prompt = torch.as_tensor(ids[None], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, len(ids) :].tolist()

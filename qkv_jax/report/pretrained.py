@@ -6,6 +6,12 @@
   read_text(tokenizer, model, text, flag)  `[T]` token ids and their labels
   report_pretrained(directory, out, prompt, patching=None)
                                         out/report.json and out/report.html
+  checkpoint_files(directory)           where config.json, tokenizer.json and
+                                        generation_config.json are
+
+Each takes a Hugging Face directory or a fine-tuning run's workdir
+(`qkv_jax.tasks.pretrained_text`), read as the directory its export writes: the run's
+tokenizer and its newest checkpoint with the adapters merged.
 
 The page is `qkv_jax.report.run`'s (`page_data`, `write_run_page`) with the checkpoint's
 weights as its one checkpoint (shown as step 0) and no loss curves. Its diagnostics are
@@ -32,6 +38,7 @@ from qkv_jax.pretrained.tokenizer import PretrainedTokenizer, load_tokenizer
 from qkv_jax.report.circuits import PromptReader, check_prompt_length, read_patching_prompts
 from qkv_jax.report.explorer import write_run_page
 from qkv_jax.report.run import PageSource, page_data
+from qkv_jax.tasks import pretrained_text
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import AttentionView
 from qkv_jax.training.validate import ConfigError
@@ -40,6 +47,7 @@ from qkv_jax.training.workdir import check_workdir_path, plain, write_json
 __all__ = [
     "INDUCTION_LENGTH",
     "PATCHING_COMMAND",
+    "checkpoint_files",
     "open_pretrained",
     "load_params",
     "read_text",
@@ -55,11 +63,29 @@ PATCHING_COMMAND = (
 )
 
 
+def checkpoint_files(directory: str | pathlib.Path) -> pathlib.Path:
+    """Where a checkpoint's config.json, tokenizer.json and generation_config.json (its
+    end-of-text ids, when it has one) are: a Hugging Face directory itself, or a fine-tuning
+    run's `pretrained/` (the source's, as its export writes them)."""
+    path = pathlib.Path(directory)
+    return path / pretrained_text.PRETRAINED_DIR if pretrained_text.is_run(path) else path
+
+
 def open_pretrained(directory: str | pathlib.Path) -> tuple[TransformerLM, PretrainedTokenizer]:
     """The TransformerLM of `directory`'s config.json (float32; no tensor is read) and its
     tokenizer.json; ConfigError, one line, for a directory that is not a Hugging Face
-    checkpoint, a config.json qkv_jax does not compute, or a missing or broken tokenizer."""
+    checkpoint, a config.json qkv_jax does not compute, or a missing or broken tokenizer.
+
+    A fine-tuning run's workdir (`qkv_jax.tasks.pretrained_text`) reads as the model its export
+    writes: its model without adapters and the tokenizer.json it trained with."""
     path = pathlib.Path(directory)
+    if pretrained_text.is_run(path):
+        try:
+            config, _ = pretrained_text.read_run(path)
+            tokenizer = load_tokenizer(checkpoint_files(path), vocab_size=config.vocab_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return TransformerLM(pretrained_text.without_adapters(config)), tokenizer
     if not path.is_dir():
         raise ConfigError(f"--pretrained={str(path)!r}: no such directory")
     if not is_pretrained_directory(path):
@@ -76,9 +102,14 @@ def open_pretrained(directory: str | pathlib.Path) -> tuple[TransformerLM, Pretr
 
 
 def load_params(directory: str | pathlib.Path) -> tuple[TransformerLM, Any]:
-    """(TransformerLM, params) of `directory` (`load_pretrained`); ConfigError for a bad file."""
+    """(TransformerLM, params) of `directory` (`load_pretrained`), or of a fine-tuning run's
+    newest checkpoint with its adapters merged (`pretrained_text.read_merged`); ConfigError for a
+    bad file."""
     try:
-        config, params = load_pretrained(directory)
+        if pretrained_text.is_run(directory):
+            config, params, _ = pretrained_text.read_merged(directory)
+        else:
+            config, params = load_pretrained(directory)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return TransformerLM(config), params
@@ -117,16 +148,35 @@ def prompt_diagnostics(model: TransformerLM, params: Any, ids: np.ndarray, key: 
     return metrics
 
 
+def _described(directory: pathlib.Path) -> tuple[dict, str, str]:
+    """(the config.json, the page's subtitle, its first note) of a Hugging Face directory or of a
+    fine-tuning run (its pretrained/config.json)."""
+    hf_config = json.loads((checkpoint_files(directory) / "config.json").read_text())
+    if pretrained_text.is_run(directory):
+        subtitle = f"{directory.resolve()}: the run's newest checkpoint, its adapters merged"
+        note = (
+            "a fine-tuning run: its newest checkpoint is the one shown (as step 0); its loss is in loss.png"
+        )
+        return hf_config, subtitle, note
+    note = (
+        "a pretrained checkpoint: its weights are the one checkpoint shown (as step 0), and it has no "
+        "loss curves here"
+    )
+    return hf_config, f"{directory.resolve()}: the checkpoint's weights", note
+
+
 def report_pretrained(
     directory: str | pathlib.Path,
     out: str | pathlib.Path,
     prompt: str,
     patching: tuple[str, str] | None = None,
+    extra: dict | None = None,
 ) -> dict:
-    """out/report.json (the prompt's tokens, its head diagnostics, and with `patching` =
+    """out/report.json (`extra`, the prompt's tokens, its head diagnostics, and with `patching` =
     (clean, corrupted) the patching result) and out/report.html, the explorer page; `out` is
     created if missing and nothing else in it is touched. Returns report.json's content. Every
-    prompt is read (ConfigError naming its flag) before a tensor is."""
+    prompt is read (ConfigError naming its flag) before a tensor is. `directory` is a Hugging
+    Face directory or a fine-tuning run's workdir (`open_pretrained`)."""
     directory, out = pathlib.Path(directory), pathlib.Path(out)
     shape, tokenizer = open_pretrained(directory)  # the model's shape: positions and vocabulary
     reader = PromptReader(
@@ -148,10 +198,10 @@ def report_pretrained(
             {f"block {i}": w[0] for i, w in enumerate(weights)}, shown_labels, shown_labels, []
         )
 
-    hf_config = json.loads((directory / "config.json").read_text())
+    hf_config, subtitle, note = _described(directory)
     source = PageSource(
         title=f"{directory.name} ({hf_config.get('model_type', 'pretrained')})",
-        subtitle=f"{directory.resolve()}: the checkpoint's weights",
+        subtitle=subtitle,
         config=hf_config,
         model=model,
         inspect=inspect,
@@ -159,14 +209,14 @@ def report_pretrained(
         prompts=reader,
     )
     notes = [
-        "a pretrained checkpoint: its weights are the one checkpoint shown (as step 0), and it has "
-        "no loss curves here",
+        note,
         f"head diagnostics of the prompt's {len(ids)} tokens; induction scores on {INDUCTION_EXAMPLES} "
         f"random sequences of {min(INDUCTION_LENGTH, model.config.max_len // 2)} tokens, each repeated",
     ]
     data = page_data(source, [("prompt", prompt)], [(0, params)], metrics, notes, patching)
     out.mkdir(parents=True, exist_ok=True)
     report = {
+        **(extra or {}),
         "checkpoint": str(directory.resolve()),
         "model_type": hf_config.get("model_type"),
         "prompt": prompt,

@@ -61,12 +61,15 @@ __all__ = [
     "pack_documents",
     "without_adapters",
     "read_run",
+    "is_run",
+    "read_merged",
     "export_run",
 ]
 
-# The workdir's copy of what the run started from: config.json (the model without adapters)
-# and tokenizer.json.
+# The workdir's copy of what the run started from: config.json (the model without adapters),
+# tokenizer.json and, when the source has one, generation_config.json (its end-of-text ids).
 PRETRAINED_DIR = "pretrained"
+GENERATION_CONFIG = "generation_config.json"
 _ADAPTER_DEFAULTS: dict[str, Any] = {
     f.name: f.default
     for f in dataclasses.fields(TransformerConfig)
@@ -158,6 +161,11 @@ def _targets_of(tokens: jax.Array, segments: jax.Array) -> dict:
     return {"inputs": inputs, "targets": targets, "segments": before, "weights": weights}
 
 
+def _copy_text(source: pathlib.Path, target: pathlib.Path) -> None:
+    text = source.read_text(encoding="utf-8")
+    write_atomic(target, lambda file: file.write(text))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on its bound methods
 class PretrainedText:
     """The task's pure functions (`Setup`'s fields are its bound methods)."""
@@ -202,14 +210,16 @@ class PretrainedText:
         return metrics, {}
 
     def save_examples(self, workdir: str | pathlib.Path, stage: str, examples: dict) -> dict:
-        """`pretrained/` (config.json of the model without adapters, the source's tokenizer.json),
-        written atomically file by file when the run starts."""
+        """`pretrained/` (config.json of the model without adapters, the source's tokenizer.json
+        and generation_config.json when it has one), written atomically file by file when the run
+        starts."""
         del examples
         if stage == "before":
             directory = pathlib.Path(workdir) / PRETRAINED_DIR
             directory.mkdir(exist_ok=True)
-            tokenizer = (self.source / TOKENIZER_FILE).read_text(encoding="utf-8")
-            write_atomic(directory / TOKENIZER_FILE, lambda file: file.write(tokenizer))
+            for name in (TOKENIZER_FILE, GENERATION_CONFIG):
+                if name == TOKENIZER_FILE or (self.source / name).is_file():
+                    _copy_text(self.source / name, directory / name)
             write_json(directory / "config.json", self.hf_config)
         return {}
 
@@ -323,11 +333,40 @@ def read_run(workdir: str | pathlib.Path) -> tuple[TransformerConfig, str]:
     return model_config, model_type
 
 
+def is_run(path: str | pathlib.Path) -> bool:
+    """Whether `path` is the workdir of a run of this task (config.json and pretrained/config.json)."""
+    path = pathlib.Path(path)
+    return (path / "config.json").is_file() and (path / PRETRAINED_DIR / "config.json").is_file()
+
+
+def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, int]:
+    """(the model's config without adapters, its parameters with the adapters merged into the
+    kernels, the checkpoint's step) of the run's newest verified checkpoint: the model
+    `export_run` writes, read in place as `load_pretrained` reads the export (the config's
+    `dtype` and `param_dtype` the parameters', the arrays on the default device). ValueError,
+    one line, for a workdir without a run or a checkpoint."""
+    workdir = pathlib.Path(workdir)
+    config, _ = read_run(workdir)
+    if not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ (the run has not saved one yet)")
+    try:
+        saved = read_params(workdir)
+    except NoCheckpointError as error:
+        raise ValueError(f"--workdir={str(workdir)!r}: {error}") from None
+    # On the default device, uncommitted, as `load_pretrained` places the export's: not on the
+    # training mesh the checkpoint was restored onto (another input sharding: another compile).
+    params = jax.tree.map(lambda x: jax.device_put(np.asarray(x)), merge_lora(saved.tree, config.lora_alpha))
+    stored = np.dtype(jax.tree.leaves(params)[0].dtype)
+    merged = dataclasses.replace(without_adapters(config), dtype=stored, param_dtype=stored)
+    return merged, params, saved.step
+
+
 def export_run(
     workdir: str | pathlib.Path, out: str | pathlib.Path
 ) -> tuple[pathlib.Path, int, TransformerConfig]:
     """Writes the run's newest verified checkpoint, adapters merged, as a Hugging Face directory
-    `out` (with the source's tokenizer.json) through `save_pretrained`; returns (its path, the
+    `out` (with the source's tokenizer.json, and generation_config.json when it has one) through
+    `save_pretrained`; returns (its path, the
     checkpoint's step, the trained model's config, adapters included). ValueError, one line, for
     a workdir without a run or a checkpoint, and for an `out` that is not empty (nothing is
     overwritten)."""
@@ -335,11 +374,8 @@ def export_run(
     config, model_type = read_run(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ to export")
-    try:
-        saved = read_params(workdir)
-    except NoCheckpointError as error:
-        raise ValueError(f"--workdir={str(workdir)!r}: {error}") from None
-    params = merge_lora(saved.tree, config.lora_alpha)
-    files = [workdir / PRETRAINED_DIR / TOKENIZER_FILE]
+    _, params, step = read_merged(workdir)
+    files = [workdir / PRETRAINED_DIR / name for name in (TOKENIZER_FILE, GENERATION_CONFIG)]
+    files = [path for path in files if path.name == TOKENIZER_FILE or path.is_file()]
     path = save_pretrained(out, without_adapters(config), params, model_type=model_type, files=files)
-    return path, saved.step, config
+    return path, step, config

@@ -266,7 +266,8 @@ def check_result(result, args, workdir, before, seed) -> str:
     assert result.code in (0, 2), f"{shown}\nexit {result.code}\n{text}"
     if result.code == 0:
         assert result.stderr == "" and result.stdout.startswith("ok: "), f"{shown}\n{text}"
-        assert result.stdout.count("\n") == 1, f"{shown}\n{text}"
+        table = result.stdout.splitlines()[1:]  # the resolved config, one field a line
+        assert table and table[0].endswith("fields (* = set on the command line)"), f"{shown}\n{text}"
     else:
         (line,) = result.error_lines or [""]
         assert len(result.error_lines) == 1 and line.startswith("error: "), f"{shown}\n{text}"
@@ -283,7 +284,8 @@ def check_result(result, args, workdir, before, seed) -> str:
     "random command lines: every field of every shipped config set to a wrong type, an empty "
     "string, zero, a negative, huge, NaN or infinite value, unknown sections and fields, broken "
     f"override syntax, broken --config arguments ({DEFAULT_CASES:,} cases a run, a new seed each run)",
-    "exit 0 with one line, or exit 2 with exactly one `error:` line; never a traceback; an existing "
+    "exit 0 with an `ok:` line and the resolved config, or exit 2 with exactly one `error:` line; "
+    "never a traceback; an existing "
     "workdir keeps every byte, a new one is not created",
 )
 @pytest.mark.parametrize("shard", range(SHARDS))

@@ -11,10 +11,8 @@ On the tiny Llama and GPT-2 directories of tests/tiny_checkpoints.py (trained BP
   - each bad input is one line on stderr and exit code 2.
 """
 
-import base64
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +21,7 @@ import numpy as np
 import pytest
 import tiny_checkpoints
 from launch import ROOT, cache_flag, launcher_env
+from page_payload import page_payload
 
 PROMPT = "The keys and the queries meet"
 # (clean, corrupted): as many tokens, and the two most likely next tokens differ, for each model.
@@ -58,32 +57,26 @@ def tokenizer(directory):
     return load_tokenizer(directory)
 
 
-def greedy(directory, ids, new_tokens):
-    """transformers' greedy continuation of `ids` `[P]` (all `new_tokens`: no stop at EOS)."""
-    import torch
-
-    model = tiny_checkpoints.load_transformers(directory)
-    model.generation_config.eos_token_id = None
-    prompt = torch.as_tensor(ids[None], dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
+    """The greedy tokens; the Llama (64 positions, as docs/pretrained.md's stand-in) without
+    --max_new_tokens: 200 clipped to the positions left after the prompt, with a one-line notice."""
     directory = checkpoints[kind]
+    ids = tokenizer(directory).encode(CONTINUED[kind])
     args = ["--pretrained", str(directory), "--prompt", CONTINUED[kind], "--temperature", "0"]
-    result = launch("generate", *args, "--max_new_tokens", "12", "--num_samples", "2", "--print_token_ids")
+    length = ["--max_new_tokens", "12"] if kind == "gpt2" else []
+    result = launch("generate", *args, *length, "--num_samples", "2", "--print_token_ids")
     assert result.returncode == 0, result.stderr
+    left = 64 - len(ids) + 1  # the last new token needs no position of its own
+    notice = f"warning: --max_new_tokens={left}, not 200: the positions the model's max_len=64 leaves after"
+    assert error_lines(result) == ([f"{notice} the prompt's {len(ids)} tokens"] if not length else [])
     lines = result.stdout.splitlines()
     assert lines[0] == f"--- sample 0 ({directory}, temperature 0.0)"
     samples = [
         [int(t) for t in line.split(": ", 1)[1].split()] for line in lines if line.startswith("token ids")
     ]
-    ids = tokenizer(directory).encode(CONTINUED[kind])
-    expected = greedy(directory, ids, 12)
+    expected = tiny_checkpoints.greedy(directory, ids, 12 if length else left)
     assert samples == [expected, expected]
     assert len(set(expected)) > 2  # a continuation, not one token repeated
     text = tokenizer(directory).decode(np.concatenate([ids, expected]))
@@ -169,26 +162,6 @@ def hf_patching(directory, clean, corrupted):
                 difference(clean_logits) - difference(corrupted_logits)
             )
     return answer, contrast, difference(clean_logits), difference(corrupted_logits), restored
-
-
-def page_payload(path):
-    """The data report.html carries (its run-data script), attention decoded `[L, N, T, S]`."""
-    text = path.read_text()
-    found = re.search(r'<script type="application/json" id="run-data">(.*?)</script>', text, re.DOTALL)
-    data = json.loads(found.group(1))
-    for checkpoint in data["checkpoints"]:
-        checkpoint["attention"] = [
-            np.frombuffer(base64.b64decode(blob), np.uint8).astype(np.float64) / data["levels"]
-            for blob in checkpoint["attention"]
-        ]
-    for checkpoint in data["checkpoints"]:
-        checkpoint["attention"] = [
-            weights.reshape(
-                len(data["layers"]), data["num_heads"], len(e["query_tokens"]), len(e["key_tokens"])
-            )
-            for weights, e in zip(checkpoint["attention"], data["examples"], strict=True)
-        ]
-    return data
 
 
 def run_report(directory, out, kind):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import tiny_checkpoints
 from in_process import launch_train
-from launch import launcher_env
+from launch import cache_flag, launcher_env
+from page_payload import page_payload
 
 from qkv_jax import load_pretrained
 from qkv_jax.finetune import convert_kv_heads
@@ -46,6 +47,9 @@ SMALL = [
     "--config.train.cpu_optimization_level=0",  # a tiny model: compile time is most of each run
 ]
 PROBE = np.arange(2, 42, dtype=np.int64).reshape(2, 20) % 90 + 3  # token ids of both vocabularies
+# The report's prompt, and its patching prompts (as many tokens, the answers differing) per model.
+PROMPT = "The keys and the queries meet"
+PATCHING = {"llama": ("The values", "The output"), "gpt2": ("Each head reads the", "The layer copies it")}
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +75,80 @@ def train(workdir, source, text, *extra):
     )
 
 
-def export(workdir, out):
+def launch(module, *args):
     return subprocess.run(
-        [sys.executable, "-m", "experiments.export", "--workdir", str(workdir), "--out", str(out)],
+        [sys.executable, "-m", f"experiments.{module}", cache_flag(), *args],
         cwd=ROOT,
         env=launcher_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def export(workdir, out):
+    return launch("export", "--workdir", str(workdir), "--out", str(out))
+
+
+def assert_close(actual, expected, where=""):
+    """Nested dicts and lists equal, their floats and arrays to float32 rounding (attention to
+    the page's 1/255 steps)."""
+    if isinstance(expected, dict):
+        assert sorted(actual) == sorted(expected), where
+        for key in expected:
+            assert_close(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, np.ndarray)) and np.asarray(expected).dtype.kind in "fiu":
+        np.testing.assert_allclose(
+            np.asarray(actual), np.asarray(expected), rtol=1e-5, atol=1e-6, err_msg=where
+        )
+    elif isinstance(expected, list):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_close(a, e, f"{where}[{i}]")
+    elif isinstance(expected, float):
+        assert actual == pytest.approx(expected, rel=1e-5, abs=1e-6), where
+    else:
+        assert actual == expected, where
+
+
+def read_in_place_and_exported(workdir, exported, out):
+    """(config, prompt ids, parameters, the report page's data) of the run's workdir read in
+    place, and of the directory its export wrote."""
+    from qkv_jax.report.pretrained import load_params, open_pretrained, report_pretrained
+
+    found = []
+    for name, directory in (("in place", workdir), ("exported", exported)):
+        shape, tok = open_pretrained(directory)
+        model, params = load_params(directory)
+        config = dataclasses.replace(model.config, dtype=None)  # config.json names float32, a run None
+        assert dataclasses.replace(shape.config, dtype=None) == config
+        report_pretrained(directory, out / name, PROMPT)
+        page = page_payload(out / name / "report.html")
+        shown = {key: page[key] for key in page if key not in ("title", "subtitle", "config", "notes")}
+        found.append((config, tok.encode(PROMPT).tolist(), params, shown))
+    return found
+
+
+def assert_read_in_place_as_exported(workdir, exported, out):
+    """experiments.generate and experiments.report read a fine-tuning run's workdir as the
+    directory its export wrote: the same model, tokenizer, weights and report page; returns the
+    exported page's data."""
+    import jax
+
+    from qkv_jax.report.pretrained import checkpoint_files
+
+    for name in ("tokenizer.json", "generation_config.json"):  # the end-of-text ids among them
+        assert (checkpoint_files(workdir) / name).read_bytes() == (
+            checkpoint_files(exported) / name
+        ).read_bytes()
+    in_place, from_export = read_in_place_and_exported(workdir, exported, out)
+    assert in_place[:2] == from_export[:2]  # the model's config, the prompt's ids
+    assert jax.tree.structure(in_place[2]) == jax.tree.structure(from_export[2])
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7), in_place[2], from_export[2]
+    )
+    assert_close(in_place[3], from_export[3])
+    return from_export[3]
 
 
 def qkv_logits(workdir):
@@ -237,17 +306,23 @@ def test_lora_fine_tune_exports_to_transformers_with_the_merged_logits(kind, sou
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
     ]
-    source_tokenizer = (directories[kind] / "tokenizer.json").read_bytes()
-    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == source_tokenizer
+    # The source's tokenizer and end-of-text ids, in the run's pretrained/ and in the export.
+    for name in ("tokenizer.json", "generation_config.json"):
+        source = (directories[kind] / name).read_bytes()
+        assert (workdir / PRETRAINED_DIR / name).read_bytes() == source
+        assert (tmp_path / "hf" / name).read_bytes() == source
     adapted, merged = qkv_logits(workdir)
     assert_same_logits(merged, adapted)
     exported = tiny_checkpoints.logits(tiny_checkpoints.load_transformers(tmp_path / "hf"), PROBE)
     assert_same_logits(exported, merged)
     before = tiny_checkpoints.logits(tiny_checkpoints.load_transformers(directories[kind]), PROBE)
     assert np.abs(exported - before).max() > 1e-3 * np.abs(before).max()
+    if kind == "llama":  # experiments.generate and experiments.report read the workdir as its export
+        assert_read_in_place_as_exported(workdir, tmp_path / "hf", tmp_path / "reports")
 
 
 @pytest.mark.slow
@@ -285,6 +360,22 @@ def test_mha_converted_to_gqa_uptrains_and_exports_with_the_new_kv_heads(sources
         {"params": convert_kv_heads(source_params, 2)}, PROBE.astype(np.int32)
     )
     assert np.abs(merged - np.asarray(pooled)).max() > 1e-3 * np.abs(merged).max()
+    # The launchers on the workdir itself: what they print and write is the export's.
+    page = assert_read_in_place_as_exported(workdir, tmp_path / "hf", tmp_path / "reports")
+    prompt = ["--workdir", str(workdir), "--prompt", PROMPT]
+    generated = launch(
+        "generate", *prompt, "--temperature", "0", "--max_new_tokens", "12", "--print_token_ids"
+    )
+    assert generated.returncode == 0, generated.stderr
+    ids = tiny_checkpoints.tokenizer("llama").encode(PROMPT).ids
+    expected = tiny_checkpoints.greedy(tmp_path / "hf", np.asarray(ids), 12)
+    assert generated.stdout.splitlines()[-1] == "token ids: " + " ".join(map(str, expected))
+    reported = launch("report", *prompt)
+    assert reported.returncode == 0, reported.stderr
+    report = json.loads((workdir / "report.json").read_text())
+    assert report["prompt_ids"] == ids and report["eval_val_loss"] == pytest.approx(summary["eval_val_loss"])
+    shown = page_payload(workdir / "report.html")
+    assert_close({key: shown[key] for key in page}, page)
     # A run of this task as init_from: its model (2 K/V heads) and weights, no conversion asked.
     launched = train(tmp_path / "W2", workdir, text, "--config.train.steps=1")
     assert launched.code == 0, launched.stderr[-3000:]
