@@ -731,6 +731,40 @@ def _padded_length(n: int, *blocks: int) -> int:
     return -(-n // block) * block
 
 
+def _unpadded(output: Array, lse: Array, sinks: Array | None, batch: tuple[int, ...], sizes):
+    """The kernels' padded `output` `[B, Tp, N, Hvp]` and `lse` `[B, N, Tp]` as
+    `[batch..., T, N, Hv]` and `[batch..., T, N]`, with `sinks` applied."""
+    T, N, Hv = sizes
+    output, lse = output[:, :T, :, :Hv], jnp.swapaxes(lse[:, :, :T], 1, 2)  # (B, T, N, Hv), (B, T, N)
+    if sinks is not None:
+        output, lse = _with_sinks(output, lse, sinks, batch)
+    return output.reshape(*batch, T, N, Hv), lse.reshape(*batch, T, N)
+
+
+def _call_config(sizes, blocks, static_scale, interpret, **options) -> _Config:
+    """The kernels' static configuration of one call: `sizes` = (T, S, G, the padded head width)
+    and `options` (pallas_attention's, by name: is_causal, local_window_size, logits_soft_cap,
+    precision, and whether segment ids, query lengths and a key limit apply)."""
+    T, S, G, width = sizes
+    return _Config(
+        T=T,
+        S=S,
+        G=G,
+        blocks=blocks,
+        scale=static_scale,
+        is_causal=bool(options["is_causal"]),
+        window=window_pair(options["local_window_size"], "pallas_attention"),
+        soft_cap=check_soft_cap("pallas_attention", options["logits_soft_cap"]),
+        segments=options["segments"],
+        query_lengths=options["query_lengths"],
+        limit_keys=options["limit_keys"],
+        interpret=interpret,
+        precision=_precision_name(options["precision"]),
+        num_warps=4 if width <= 64 else 8,
+        num_stages=2,
+    )
+
+
 def pallas_attention(
     query: Array,
     key: Array,
@@ -768,8 +802,7 @@ def pallas_attention(
     interpret: run in Pallas' interpret mode; None: unless the default backend is a GPU.
     """
     *batch_dims, T, N, H = query.shape
-    S, K, Hv = key.shape[-3], key.shape[-2], value.shape[-1]
-    batch = tuple(batch_dims)
+    (S, K, Hv), batch = (key.shape[-3], key.shape[-2], value.shape[-1]), tuple(batch_dims)
     if (query_segment_ids is None) != (key_segment_ids is None):
         raise ValueError("pallas_attention: query_segment_ids and key_segment_ids must be given together")
     interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
@@ -780,22 +813,18 @@ def pallas_attention(
     blocks = _check_blocks(blocks, interpret)
     T_pad = _padded_length(T, blocks.block_q, blocks.backward_q)
     S_pad = _padded_length(S, blocks.block_k, blocks.backward_k)
-    config = _Config(
-        T=T,
-        S=S,
-        G=N // K,
-        blocks=blocks,
-        scale=static_scale,
-        is_causal=bool(is_causal),
-        window=window_pair(local_window_size, "pallas_attention"),
-        soft_cap=check_soft_cap("pallas_attention", logits_soft_cap),
+    config = _call_config(
+        (T, S, N // K, max(depth, value_depth)),
+        blocks,
+        static_scale,
+        interpret,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
         segments=query_segment_ids is not None,
         query_lengths=query_seq_lengths is not None,
         limit_keys=key_value_seq_lengths is not None or S_pad != S,
-        interpret=interpret,
-        precision=_precision_name(precision),
-        num_warps=4 if max(depth, value_depth) <= 64 else 8,
-        num_stages=2,
+        precision=precision,
     )
 
     def flat(x, length, width):  # (B, length, heads, width), zero-padded
@@ -810,10 +839,5 @@ def pallas_attention(
         _segment_rows(query_segment_ids, batch, T, T_pad),
         _segment_rows(key_segment_ids, batch, S, S_pad),
     )  # (B, Tp, N, Hvp), (B, N, Tp)
-    output, lse = output[:, :T, :, :Hv], jnp.swapaxes(lse[:, :, :T], 1, 2)  # (B, T, N, Hv), (B, T, N)
-    if sinks is not None:
-        output, lse = _with_sinks(output, lse, sinks, batch)
-    output = output.reshape(*batch, T, N, Hv)
-    if not return_residual:
-        return output
-    return output, lax.stop_gradient(lse).reshape(*batch, T, N).astype(dtype)
+    output, lse = _unpadded(output, lse, sinks, batch, (T, N, Hv))
+    return (output, lax.stop_gradient(lse).astype(dtype)) if return_residual else output
