@@ -979,25 +979,37 @@ def checked_prompt(
     return prompt.astype(jnp.int32)
 
 
+def decoding_key(rng: Array | None, temperature: float, owner: str) -> Array:
+    """`rng`, or for greedy decoding (temperature 0) without one a fixed key it never draws
+    from; sampling without a key is a one-line ValueError."""
+    if rng is not None:
+        return rng
+    if float(temperature) == 0.0:
+        return jax.random.PRNGKey(0)
+    raise ValueError(f"{owner}: temperature={temperature} samples, so it needs rng=jax.random.key(...)")
+
+
 def generate(
     model: TransformerLM,
     params: Any,
     prompt: Any,
     max_new_tokens: int,
     *,
-    rng: Array,
+    rng: Array | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
 ) -> Array:
     """Samples `max_new_tokens` tokens after each row of `prompt` `[B, P]` (int).
 
-    Returns `[B, max_new_tokens]` int32. `temperature` 0 is greedy; `top_k`
+    Returns `[B, max_new_tokens]` int32. `temperature` 0 is greedy (and needs no `rng`;
+    sampling without one is a ValueError); `top_k`
     keeps the k most likely tokens. Compiled once per (model, B, P,
     max_new_tokens, top_k): new prompts, rngs and temperatures reuse it.
     Lengths are static, so `check_generate_args` checks them before anything
     runs (decoding past `model.config.max_len` is a ValueError).
     """
     prompt = checked_prompt(model, prompt, max_new_tokens, temperature, top_k)
+    rng = decoding_key(rng, temperature, "generate")
     return _compiled_sample_tokens(
         model, params, prompt, rng, jnp.float32(temperature), max_new_tokens=max_new_tokens, top_k=top_k
     )

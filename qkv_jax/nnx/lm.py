@@ -224,7 +224,7 @@ def generate(
     prompt: Any,
     max_new_tokens: int,
     *,
-    rng: Array,
+    rng: Array | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
 ) -> Array:
@@ -233,6 +233,7 @@ def generate(
     (`lm.checked_prompt`, `lm.sample_with_cache`). The model is not changed
     (its own cache, if any, is left as it was)."""
     prompt = lm.checked_prompt(model, prompt, max_new_tokens, temperature, top_k)
+    rng = lm.decoding_key(rng, temperature, "generate")
     graphdef, state = nnx.split(model)
     return _compiled_sample(
         graphdef, state, prompt, rng, jnp.float32(temperature), max_new_tokens=max_new_tokens, top_k=top_k

@@ -207,3 +207,14 @@ def test_the_block_faces_agree(name, change, message):
         assert kind == "ok"
     else:
         assert message in text
+
+
+def test_greedy_needs_no_key_in_either_face_and_sampling_does():
+    linen, params, twin = faces()
+    prompt = TOKENS[:, :3]
+    keyed = lm.generate(linen, params, prompt, 3, rng=jax.random.PRNGKey(5), temperature=0.0)
+    np.testing.assert_array_equal(lm.generate(linen, params, prompt, 3, temperature=0.0), keyed)
+    np.testing.assert_array_equal(qnnx.generate(twin, prompt, 3, temperature=0.0), keyed)
+    for generate in (lambda: lm.generate(linen, params, prompt, 3), lambda: qnnx.generate(twin, prompt, 3)):
+        with pytest.raises(ValueError, match=r"temperature=1.0 samples, so it needs rng="):
+            generate()
