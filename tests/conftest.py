@@ -73,6 +73,18 @@ def internal_checks(request):
         jax.config.update("jax_enable_checks", True)
 
 
+@pytest.fixture(autouse=True)
+def empty_gpu_check_record(monkeypatch):
+    """Every test sees the dispatch rule of an empty GPU check record: what
+    benchmarks/gpu_check.sh has passed on a GPU (qkv_jax/attention/gpu_checked.py) moves calls
+    to cuDNN or the fused kernels there, and the tests of that record set it themselves. Here
+    rather than in a conftest of tests/attention: a second module named conftest would shadow
+    this one for the tests that import it."""
+    from qkv_jax.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "CHECKED", {})
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """JAX's persistent compilation cache, fresh for each test session and shared by its
