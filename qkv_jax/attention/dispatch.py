@@ -93,9 +93,11 @@ CHUNKED_MIN_KEYS = 64
 # B4 T4096 N16 H128 bf16, forward and backward: jax.nn's XLA path 15.2 ms, the scan with its
 # CPU tiles 32.6 to 63.4 ms (benchmarks/gpu_probe.py).
 MATERIALIZE_FRACTION = 0.25
-# The device memory assumed for a platform this process does not run on (16 GiB: a TPU v5e's
-# HBM, and less than any data-centre GPU of the last generations has).
-ACCELERATOR_BYTES = 16 * 2**30
+# The device memory assumed for a platform this process does not run on (where it does, the
+# runtime's own figure): a GPU's is an H100's 80 GiB (the H200 has 141, the A100 40 or 80), a
+# TPU's a v5e's 16 GiB. With them, B4 T4096 N16 H128 (12.9 GB materialised) goes to the
+# materialised path on a GPU and to the tiled scan on a TPU, where it would not fit.
+ACCELERATOR_BYTES = {"gpu": 80 * 2**30, "tpu": 16 * 2**30}
 MIN_ACCELERATOR_KEY_BLOCK = 128
 # On a GPU, calls cuDNN does not take go to the fused Pallas kernels ("pallas") from this many
 # queries and keys on, once benchmarks/gpu_check.sh has passed them there (`checked_on_gpu`);
@@ -191,12 +193,13 @@ def call_features(options: CallOptions, arrays: Mapping[str, Any]) -> dict[str, 
 
 def accelerator_bytes(platform: str) -> int:
     """The memory of one device of `platform`: the runtime's own figure when this process runs on
-    it (`memory_stats()["bytes_limit"]`), else `ACCELERATOR_BYTES`."""
+    it (`memory_stats()["bytes_limit"]`), else the platform's `ACCELERATOR_BYTES` (a TPU's for
+    another accelerator)."""
     if platform != "cpu" and jax.default_backend() == platform:
         stats = jax.devices()[0].memory_stats() or {}
         if stats.get("bytes_limit"):
             return int(stats["bytes_limit"])
-    return ACCELERATOR_BYTES
+    return ACCELERATOR_BYTES.get(platform, ACCELERATOR_BYTES["tpu"])
 
 
 def materialized_bytes(query, key) -> int:

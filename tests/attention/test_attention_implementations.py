@@ -473,11 +473,29 @@ def test_accelerators_take_no_cpu_scan_at_4096_keys(platform):
         assert select_implementation(*inputs, platform=platform, **kwargs) != "chunked", name
 
 
+def test_gpus_take_no_cpu_scan_at_the_benchmark_shape():
+    """B4 T4096 N16 H128 (benchmarks/gpu_probe.py's shape): its 12.9 GB materialised fit a GPU of
+    the assumed 80 GiB, not a 16 GiB TPU, where the scan takes the widest tiles that fit."""
+    for name, kwargs in LONG_CALLS.items():
+        batch = {
+            key: jax.ShapeDtypeStruct((4, 4096), jnp.int32) for key in kwargs if key.endswith("segment_ids")
+        }
+        kwargs = {
+            **kwargs,
+            **batch,
+            **({"sinks": jax.ShapeDtypeStruct((16,), jnp.float32)} if "sinks" in kwargs else {}),
+        }
+        dtype = jnp.float32 if name == "float32" else BF16
+        inputs = tuple(jax.ShapeDtypeStruct((4, 4096, 16, 128), dtype) for _ in range(3))
+        assert select_implementation(*inputs, platform="gpu", **kwargs) != "chunked", name
+        assert select_implementation(*inputs, platform="tpu", **kwargs) == "chunked", name
+
+
 def test_the_scan_on_an_accelerator_takes_the_widest_tiles_that_fit():
     query = jax.ShapeDtypeStruct((1, 32768, 8, 64), jnp.float32)
     block_q, block_k = accelerator_block_sizes(query, query, "tpu")
     per_key = 3 * 4 * 8 * 32768
     assert block_q == 32768 and block_k & (block_k - 1) == 0
-    assert per_key * block_k <= ACCELERATOR_BYTES * MATERIALIZE_FRACTION < per_key * block_k * 2
+    assert per_key * block_k <= ACCELERATOR_BYTES["tpu"] * MATERIALIZE_FRACTION < per_key * block_k * 2
     short = jax.ShapeDtypeStruct((1, 100, 2, 8), jnp.float32)
     assert accelerator_block_sizes(short, short, "gpu") == (100, 100)
