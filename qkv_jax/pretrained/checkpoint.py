@@ -101,6 +101,9 @@ class TensorSource:
                              checkpoint lacks, or (with `shape`) a tensor of another shape, is
                              a PretrainedError naming the file and the tensor
       has(name), names       whether the checkpoint holds a tensor; all the names it holds
+      mark_read(name), read_slice(name, index)
+                             a tensor counted as read, then read block by block (only the
+                             bytes of each block: a process reads only its devices' slices)
       skip(name)             marks a stored tensor as deliberately unused (a buffer such as
                              GPT-2's `attn.bias` or a tied head's copy) without reading it
 
@@ -219,6 +222,28 @@ class TensorSource:
         self._read.add(name)
         self.recent.append(name)
         return value
+
+    def mark_read(self, name: str) -> None:
+        """Counts tensor `name` as read (its slices are read later, by `read_slice`)."""
+        self._where(name)
+        self.dtype(name)  # refuses a dtype numpy cannot hold
+        self._read.add(name)
+        self.recent.append(name)
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` (one slice per axis) of tensor `name`, reading only its bytes
+        (safetensors' `get_slice`); the whole tensor where `index` covers it."""
+        path = self._where(name)
+        if path not in self._handles:
+            self._handles[path] = _open(path).__enter__()
+        stored = self.shape(name)
+        whole = all((s.start or 0) == 0 and s.stop in (None, n) for s, n in zip(index, stored, strict=True))
+        try:
+            if whole:
+                return self._handles[path].get_tensor(name)
+            return self._handles[path].get_slice(name)[index]
+        except Exception as err:
+            raise PretrainedError(f"{path}: tensor {name!r} cannot be read ({err})") from None
 
     def skip(self, name: str) -> None:
         """Marks stored tensor `name` as deliberately unused; PretrainedError if it is not stored."""
