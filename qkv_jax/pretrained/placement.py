@@ -23,7 +23,11 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from qkv_jax import sharding as rules
 from qkv_jax.pretrained.families.common import LAYOUTS, StoredTensor
 
-__all__ = ["sharding_of", "place"]
+__all__ = ["sharding_of", "place", "ON_DEVICE_BYTES"]
+
+# Blocks of at least this many bytes are converted on their device (one small compiled program
+# per block shape and device); smaller ones by numpy, on the host.
+ON_DEVICE_BYTES = 1 << 20
 
 
 def sharding_of(path: str, shape: tuple[int, ...], mesh: Mesh | None) -> Sharding:
@@ -59,6 +63,9 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
     arrays = []
     for bounds, devices in blocks.items():
         block, layout, heads = _read(value, tuple(slice(start, stop) for start, stop in bounds))
+        if block.nbytes < ON_DEVICE_BYTES:  # small: numpy's copy costs less than compiling
+            block = np.ascontiguousarray(LAYOUTS[layout].load(block, heads)).astype(dtype, copy=False)
+            layout = "copy"
         for device in devices:
             stored = jax.device_put(block, device)
             if layout == "copy" and stored.dtype == dtype:

@@ -295,11 +295,11 @@ class StoredTensor:
             raise ValueError(f"{self.name}: a block of part of each head ({within}) cannot be read")
         rows = slice(heads.start * width, heads.stop * width)
         stored = {
-            "heads_in": (rows, index[0]),
-            "heads_bias": (rows,),
-            "heads_out": (index[2], rows),
-            "conv1d_heads_out": (rows, index[2]),
-        }[layout]
+            "heads_in": lambda: (rows, index[0]),
+            "heads_bias": lambda: (rows,),
+            "heads_out": lambda: (index[2], rows),
+            "conv1d_heads_out": lambda: (rows, index[2]),
+        }[layout]()
         return self.tensors.read_slice(self.name, stored), heads.stop - heads.start
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
