@@ -28,7 +28,9 @@ fn(x) and answers the attention modules' `interpretability_request()`
 resets them after. Names, filters and hooks are Python values fixed at trace
 time: under `jax.jit` close over them (`functools.partial(run_with_cache,
 model, names_filter=...)`); hook points nobody reads or changes are
-identities that XLA removes.
+identities that XLA removes. Under a ("data", "model") mesh set with `jax.set_mesh`, every
+cached activation stays split as computed: its batch over "data", its heads over "model"
+(`cache.activation_spec`), never gathered onto one device.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from flax import traverse_util
 
 from qkv_jax import lm
 from qkv_jax.hooks import HookPoint
-from qkv_jax.interpretability.cache import hook_name
+from qkv_jax.interpretability.cache import activation_spec, hook_name
 from qkv_jax.modules import AttentionRequest
 
 Array = jax.Array
@@ -251,7 +253,23 @@ def _run(owner: str, model: Any, variables: Any, inputs: tuple, kwargs: dict, sp
     else:
         raise TypeError(f"{owner}: model must be a flax linen or nnx module, got {type(model).__name__}")
     spec.check(owner, available, attentions)
-    return output, captured
+    return output, _placed(captured)
+
+
+def _placed(captured: dict[str, Array]) -> dict[str, Array]:
+    """Under a mesh with axes "data" and "model" (`jax.set_mesh`), each activation constrained
+    to stay split as computed (`cache.activation_spec`: batch over "data", heads over "model")
+    rather than gathered; without one, as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"data", "model"} <= set(mesh.axis_names):
+        return captured
+    sizes = dict(mesh.shape)
+    return {
+        name: jax.lax.with_sharding_constraint(
+            value, jax.sharding.PartitionSpec(*activation_spec(name, value.shape, sizes))
+        )
+        for name, value in captured.items()
+    }
 
 
 def run_with_cache(

@@ -12,6 +12,7 @@ per directory and mesh, each parameter's PartitionSpec and where its shards live
 specs, and the largest difference of each result over the largest reference value.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -95,14 +96,19 @@ def run(directory, mesh, tokens, adapters, workflows):
         }
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)
     }
-    if not workflows:
+    if workflows is None:
         return {}, placement, {}
     model, cached_and_swept, lora_step = computations(config)
     if mesh is not None:
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
         adapters = jax.device_put(adapters, NamedSharding(mesh, P()))
-    logits, cache, sweep = cached_and_swept(params, tokens, jnp.roll(tokens, 1, axis=1))
-    cache_specs = {k: [str(a) for a in v.sharding.spec] for k, v in cache.items() if mesh is not None}
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        logits, cache, sweep = cached_and_swept(params, tokens, jnp.roll(tokens, 1, axis=1))
+    cache_specs = {  # each axis's mesh axis ("None": whole)
+        k: [str(a) for a in (*v.sharding.spec, *[None] * (v.ndim - len(v.sharding.spec)))]
+        for k, v in cache.items()
+        if mesh is not None
+    }
     results = {
         "logits": np.asarray(logits),
         "cache": {k: np.asarray(v) for k, v in cache.items()},
@@ -156,10 +162,12 @@ def main():
         reference, _, _ = run(directory, None, tokens, adapters, workflows)
         out[name] = {}
         for data, model in spec["meshes"]:
-            asked = workflows if (data, model) == own_mesh else []
-            results, placement, cache_specs = run(directory, make_mesh(data, model), tokens, adapters, asked)
+            own = (data, model) == own_mesh
+            mesh = make_mesh(data, model)
+            asked = workflows if own else None
+            results, placement, cache_specs = run(directory, mesh, tokens, adapters, asked)
             out[name][f"{data}x{model}"] = {
-                "errors": compare(results, reference) if asked else {},
+                "errors": compare(results, reference) if own else {},
                 "placement": placement,
                 "cache_specs": cache_specs,
             }

@@ -183,7 +183,7 @@ def test_every_parameter_has_the_documented_sharding(mesh_results):
     # Llama's 2 K/V heads: split over a model axis of 2, replicated across one of 4 or 8.
     llama = mesh_results["llama"]
     assert llama["4x2"]["placement"]["block_0/attention/key/kernel"]["spec"] == ["data", "model", None]
-    assert llama["2x4"]["placement"]["block_0/attention/key/kernel"]["spec"] == ["data"]
+    assert llama["2x4"]["placement"]["block_0/attention/key/kernel"]["spec"] == ["data", None, None]
     assert llama["1x8"]["placement"]["block_0/attention/key/kernel"]["spec"] == []
 
 
@@ -195,11 +195,19 @@ def test_a_model_axis_dividing_no_heads_is_refused(mesh_results):
 
 
 @pytest.mark.slow
-def test_cached_activations_stay_split_over_the_batch(mesh_results):
+def test_cached_activations_stay_split_over_the_batch_and_heads(mesh_results):
+    # Under jax.set_mesh: the batch (8) over "data", the heads (8 query, Llama's 2 K/V) over
+    # "model" where it divides them, every other axis whole.
     for name, (data, model) in OWN_MESH.items():
         specs = mesh_results[name][f"{data}x{model}"]["cache_specs"]
-        if data > 1:
-            assert specs and all(spec and spec[0] == "data" for spec in specs.values()), (name, specs)
+        assert specs, name
+        for hook, spec in specs.items():
+            assert spec[0] == ("data" if data > 1 else "None"), (name, hook, spec)
+        if model > 1:
+            assert specs["blocks.0.attn.hook_q"] == ["data" if data > 1 else "None", "None", "model", "None"]
+            assert specs["blocks.0.attn.hook_pattern"][1] == "model"
+    llama_k = mesh_results["llama"]["2x4"]["cache_specs"]["blocks.0.attn.hook_k"]
+    assert llama_k == ["data", "None", "None", "None"]  # 2 K/V heads, a model axis of 4
 
 
 @pytest.mark.parametrize(
