@@ -177,6 +177,7 @@ def read_params(
     expected = parameter_shapes(config)
     params: dict[str, Any] = {}
     placed: set[str] = set()
+    in_flight: jax.Array | None = None
     for path, array in _family_arrays(family, config, tensors):
         shape = tuple(array.shape)
         if path in placed:
@@ -190,9 +191,15 @@ def read_params(
                 f"{_source_of(tensors)}: gives {path} of shape {shape}; the config "
                 f"({tensors.directory / 'config.json'}) gives {expected[path]}"
             )
-        _place(params, path, placement.place(array, placement.sharding_of(path, shape, mesh), dtype))
+        leaf = placement.place(array, placement.sharding_of(path, shape, mesh), dtype)
+        _place(params, path, leaf)
         placed.add(path)
+        if in_flight is not None:  # one tensor converts on the devices while the next is read
+            in_flight.block_until_ready()
+        in_flight = leaf
         del array
+    if in_flight is not None:
+        in_flight.block_until_ready()
     missing = sorted(set(expected) - placed)
     if missing:
         raise PretrainedError(

@@ -54,7 +54,8 @@ def _read(value: Any, index: tuple[slice, ...]) -> tuple[np.ndarray, str, int]:
 
 def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
     """`value` (a `StoredTensor` or an array, in the linen layout) as a jax.Array of `sharding`
-    and `dtype`; each distinct block this process's devices hold is read once."""
+    and `dtype`; each distinct block this process's devices hold is read once. Returns at
+    once: the transfers and conversions run on while the caller reads the next tensor."""
     shape = tuple(value.shape)
     blocks: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -72,9 +73,7 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
                 arrays.append(stored)
             else:
                 arrays.append(_convert(stored, layout=layout, heads=heads, dtype=np.dtype(dtype)))
-        for array in arrays[-len(devices) :]:
-            array.block_until_ready()  # copied: the host block can go before the next is read
-        del block
+        del block  # the transfers hold it until they are done
     if isinstance(sharding, SingleDeviceSharding):
         return arrays[0]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
