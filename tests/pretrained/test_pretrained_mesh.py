@@ -17,6 +17,7 @@ and (1, 8) and onto one device:
 
 import json
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ import torch
 import transformers
 from launch import launcher_env
 
-from qkv_jax import load_pretrained
+from qkv_jax import lm, load_pretrained
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -227,3 +228,71 @@ def test_a_mesh_without_the_two_axes_is_refused(checkpoints, mesh, message, monk
     with pytest.raises(ValueError) as info:
         load_pretrained(checkpoints["llama"], mesh=mesh)
     assert str(info.value) == message
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_each_hold_their_share_and_compute_one_process_logits(checkpoints, tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed over gloo), Llama on a (2, 4) mesh: each
+    process holds only its own devices' blocks (half of every matrix split over "data"), the
+    logits equal one process's, and save_pretrained from the global arrays writes a directory
+    transformers loads to the same logits."""
+    directory = checkpoints["llama"]
+    tokens = np.random.default_rng(1).integers(0, 64, (4, 10))
+    port = free_port()
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "pretrained" / "two_process_worker.py"),
+                json.dumps(
+                    {
+                        "coordinator": f"127.0.0.1:{port}",
+                        "process": i,
+                        "directory": str(directory),
+                        "tokens": tokens.tolist(),
+                        "out": str(tmp_path),
+                    }
+                ),
+            ],
+            cwd=ROOT,
+            env=launcher_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=600) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(processes, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+    for i, result in enumerate(results):
+        assert result["devices"] == 8
+        held = result["held"]
+        assert all(leaf["owners"] == [i] for leaf in held.values())
+        # Every d_model axis is split over "data" (2): a process holds half of each matrix.
+        query = held["block_0/attention/query/kernel"]
+        assert query["bytes"] * 2 == query["whole"]
+        total = sum(leaf["bytes"] for leaf in held.values())
+        whole = sum(leaf["whole"] for leaf in held.values())
+        assert total < 0.6 * whole, (total, whole)
+    config, params = load_pretrained(directory)
+    ours = np.asarray(lm.TransformerLM(config).apply({"params": params}, tokens))
+    theirs = np.asarray(results[0]["logits"])
+    assert np.max(np.abs(theirs - ours)) <= TOLERANCE * np.max(np.abs(ours))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager")
+    with torch.no_grad():
+        exported = saved.float()(torch.as_tensor(tokens)).logits.numpy()
+    assert np.max(np.abs(exported - ours)) <= TOLERANCE * np.max(np.abs(ours))

@@ -25,7 +25,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from qkv_jax.lm import TransformerConfig, layer_windows
 from qkv_jax.positions import RopeScaling
@@ -338,10 +340,14 @@ def qkv_arrays(params: Mapping[str, Any], block: int, leaf: str) -> list[np.ndar
 
 
 def array(params: Mapping[str, Any], path: str) -> np.ndarray:
-    """The linen parameter at `path` ("block_0/attention/query/kernel") of a nested params tree."""
+    """The linen parameter at `path` ("block_0/attention/query/kernel") of a nested params tree,
+    whole on the host: a global array split over several processes is gathered (every process
+    calls this in the same order), one tensor at a time."""
     node: Any = params
     for key in path.split("/"):
         node = node[key]
+    if isinstance(node, jax.Array) and not node.is_fully_addressable:  # split over processes
+        return np.asarray(multihost_utils.process_allgather(node, tiled=True))
     return np.asarray(node)
 
 
