@@ -68,7 +68,7 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
             block = np.ascontiguousarray(LAYOUTS[layout].load(block, heads)).astype(dtype, copy=False)
             layout = "copy"
         for device in devices:
-            stored = jax.device_put(block, device)
+            stored = jax.device_put(block, device, may_alias=True)  # a CPU keeps an aligned block
             if layout == "copy" and stored.dtype == dtype:
                 arrays.append(stored)
             else:
