@@ -279,6 +279,7 @@ def run_with_cache(
     names_filter: NamesFilter = None,
     pattern_heads: PatternHeads = None,
     hooks: Mapping[str, HookFn] | None = None,
+    to_host: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, Array]]:
     """The model's output and its activations by hook name: `(output, {name: array})`.
@@ -301,6 +302,10 @@ def run_with_cache(
         attention's own path (chunked, cuDNN, XLA, absorbed MLA).
       hooks: `{name: fn(activation, name) -> activation}` applied in the
         same run (`run_with_hooks`); captures see what they return.
+      to_host: each cached activation is moved to host memory as it is
+        produced (`jax.memory.Space.Host`; under `jax.jit` XLA schedules the
+        copies), so the accelerator holds no cache; the arrays come back in
+        the "pinned_host" memory kind, split as they were computed.
       **kwargs: the call's keyword arguments (`deterministic`, `decode`,
         `head_mask`, `segment_ids`, ...; linen's `mutable`, `rngs`). With
         linen's `mutable`, the output is `(output, mutated variables)` as
@@ -312,7 +317,10 @@ def run_with_cache(
       close over the names (they are static).
     """
     spec = _Spec.of(names_filter, pattern_heads, hooks)
-    return _run("run_with_cache", model, variables, inputs, kwargs, spec)
+    output, captured = _run("run_with_cache", model, variables, inputs, kwargs, spec)
+    if to_host:
+        captured = {name: jax.device_put(value, jax.memory.Space.Host) for name, value in captured.items()}
+    return output, captured
 
 
 def _nothing(name: str) -> bool:
