@@ -27,8 +27,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qkv_jax.lm import TransformerConfig, TransformerLM
-from qkv_jax.pretrained import placement
 from qkv_jax.pretrained.checkpoint import INDEX, SINGLE, PretrainedError, TensorSource, read_json
+from qkv_jax.pretrained.placement import place, sharding_of
 from qkv_jax.pretrained.schema import HFConfig
 from qkv_jax.sharding import check_mesh
 
@@ -191,7 +191,7 @@ def read_params(
                 f"{_source_of(tensors)}: gives {path} of shape {shape}; the config "
                 f"({tensors.directory / 'config.json'}) gives {expected[path]}"
             )
-        leaf = placement.place(array, placement.sharding_of(path, shape, mesh), dtype)
+        leaf = place(array, sharding_of(path, shape, mesh), dtype)
         _place(params, path, leaf)
         placed.add(path)
         if in_flight is not None:  # one tensor converts on the devices while the next is read
