@@ -266,7 +266,7 @@ class TensorSource:
         with open(path, "rb", buffering=0) as file:
             done = 0
             while done < nbytes:  # one call reads at most about 2 GiB
-                read = os.preadv(file.fileno(), [memoryview(block)[done:]], offset + done)
+                read = os.preadv(file.fileno(), [block.data[done:]], offset + done)
                 if read <= 0:
                     raise PretrainedError(f"{path}: tensor {name!r} cannot be read (the file ends early)")
                 done += read

@@ -41,7 +41,8 @@ def sharding_of(path: str, shape: tuple[int, ...], mesh: Mesh | None) -> Shardin
 @functools.partial(jax.jit, static_argnames=("layout", "heads", "dtype"))
 def _convert(block: jax.Array, layout: str, heads: int, dtype: Any) -> jax.Array:
     """A stored-order block in the linen layout and `dtype`, computed where `block` lives."""
-    return LAYOUTS[layout].load(block, heads).astype(dtype)
+    load: Any = LAYOUTS[layout].load  # written for numpy; the same methods on a jax.Array
+    return load(block, heads).astype(dtype)
 
 
 def _read(value: Any, index: tuple[slice, ...]) -> tuple[np.ndarray, str, int]:
@@ -59,7 +60,8 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
     shape = tuple(value.shape)
     blocks: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        bounds = tuple(s.indices(size)[:2] for s, size in zip(index, shape, strict=True))
+        whole = index or tuple(slice(None) for _ in shape)
+        bounds = tuple(s.indices(size)[:2] for s, size in zip(whole, shape, strict=True))
         blocks.setdefault(bounds, []).append(device)
     arrays = []
     for bounds, devices in blocks.items():

@@ -94,7 +94,7 @@ def initial_params(config: dict, target: Any, vmapped: bool) -> Any:
     mesh, so no process holds the whole model)."""
     shardings = [leaf.sharding for leaf in jax.tree.leaves(target)]
     mesh = shardings[0].mesh if shardings and isinstance(shardings[0], NamedSharding) else None
-    source = read_source(config, mesh if mesh is not None and mesh.size > 1 else None)
+    source = read_source(config, mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None)
     fit = lambda params: fitted_params(config, source, params)
     params = jax.vmap(fit)(target) if vmapped else fit(target)
     params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), params, target)

@@ -313,9 +313,10 @@ class StoredTensor:
 def read_tensors(table: Iterable[Tensor], tensors: TensorSource) -> Iterator[tuple[str, Any]]:
     """(linen path, the tensor in the linen layout) for each entry of `table`: a `StoredTensor`
     (read when the loader asks for its blocks) where `tensors` reads slices, else the array."""
+    mark_read = getattr(tensors, "mark_read", None)  # a source that reads slices
     for entry in table:
-        if hasattr(tensors, "read_slice"):
-            tensors.mark_read(entry.name)
+        if mark_read is not None:
+            mark_read(entry.name)
             yield entry.path, StoredTensor(tensors, entry.name, entry.layout, entry.heads)
         else:
             yield (
