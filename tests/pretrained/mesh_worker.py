@@ -6,7 +6,8 @@ subprocess of tests/pretrained/test_pretrained_mesh.py: the device count is set 
 
 For each directory, the one-device load (mesh=None) computes the reference: the logits and every
 hook of `run_with_cache`, a patching sweep over (layer, head) of `attn.hook_z`, one LoRA step (the
-adapters' gradient and the loss after it) and greedy tokens of `lm.generate`. Then on each mesh,
+adapters' gradient and the loss after it), greedy tokens of `lm.generate` and the logits after
+an MHA -> GQA conversion (`convert_kv_heads`), each where the family's workflows ask. Then on each mesh,
 `load_pretrained(mesh=...)` and the same computations, with the batch split over "data". Writes,
 per directory and mesh, each parameter's PartitionSpec and where its shards live, the cache's
 specs, and the largest difference of each result over the largest reference value.
@@ -33,6 +34,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from qkv_jax import lm  # noqa: E402
+from qkv_jax.finetune import convert_kv_heads  # noqa: E402
 from qkv_jax.interpretability import patching_sweep, run_with_cache  # noqa: E402
 from qkv_jax.pretrained.io import load_pretrained  # noqa: E402
 from qkv_jax.training.sharding import make_mesh  # noqa: E402
@@ -117,6 +119,10 @@ def run(directory, mesh, tokens, adapters, workflows):
     if "lora" in workflows:
         grads, loss = lora_step(params, adapters, tokens)
         results.update(lora_grads=[np.asarray(g) for g in jax.tree.leaves(grads)], lora_loss=np.asarray(loss))
+    if "gqa" in workflows:  # MHA -> GQA: K/V heads mean-pooled in pairs, on the parameters as placed
+        pooled = convert_kv_heads(params, config.num_heads // 2)
+        gqa = lm.TransformerLM(dataclasses.replace(config, num_kv_heads=config.num_heads // 2))
+        results["gqa_logits"] = np.asarray(compile_once(gqa.apply)({"params": pooled}, tokens))
     if "generate" in workflows:
         prompt = np.asarray(tokens)[:, :PROMPT]
         results["greedy"] = np.asarray(lm.generate(model, params, prompt, NEW, temperature=0.0))
@@ -144,6 +150,8 @@ def compare(results, reference):
         pairs = zip(results["lora_grads"], reference["lora_grads"], strict=True)
         errors["lora_grads"] = max(error(a, b) for a, b in pairs)
         errors["lora_loss"] = error(results["lora_loss"], reference["lora_loss"])
+    if "gqa_logits" in reference:
+        errors["gqa_logits"] = error(results["gqa_logits"], reference["gqa_logits"])
     if "greedy" in reference:
         errors["greedy_equal"] = bool(np.array_equal(results["greedy"], reference["greedy"]))
     return errors

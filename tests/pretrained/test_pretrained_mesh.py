@@ -6,9 +6,10 @@ there; biases), Qwen 3 (QK-norm, head_dim != d_model / N, a tied head), Gemma 2 
 sandwich norms, windows) and GPT-NeoX (parallel block, the fused query/key/value tensor). One
 subprocess (tests/pretrained/mesh_worker.py) loads each onto the meshes (8, 1), (4, 2), (2, 4)
 and (1, 8) and onto one device:
-  - the logits, every cached activation, a patching sweep and a LoRA step (the adapters'
-    gradient and the loss after it) equal one device's to 1e-5 of the largest value, and
-    greedy tokens are equal exactly;
+  - the logits, every cached activation, a patching sweep, a LoRA step (the adapters'
+    gradient and the loss after it) and the logits after an MHA -> GQA conversion equal one
+    device's to 1e-5 of the largest value, and greedy tokens are equal exactly (each family
+    runs these on one of the meshes, so that every mesh runs them);
   - every parameter's PartitionSpec is the one docs/scaling.md's table gives (written out
     here by hand, not read from `qkv_jax.sharding`), and the cached activations stay split
     over "data" along the batch;
@@ -35,8 +36,9 @@ MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 # Every family is loaded onto every mesh (its placement checked); the workflows run on one mesh
 # per family, so that each mesh runs them once (each costs a few compilations).
 OWN_MESH = {"llama": (2, 4), "qwen3": (4, 2), "gemma2": (1, 8), "gpt_neox": (8, 1)}
-# Beside the logits, the cache and a patching sweep (every family): a LoRA step, greedy decoding.
-WORKFLOWS = {"llama": ["lora", "generate"], "qwen3": [], "gemma2": [], "gpt_neox": ["lora"]}
+# Beside the logits, the cache and a patching sweep (every family): a LoRA step, greedy decoding,
+# and the logits after an MHA -> GQA conversion of GPT-NeoX's 8 heads into 4 K/V heads.
+WORKFLOWS = {"llama": ["lora", "generate"], "qwen3": [], "gemma2": [], "gpt_neox": ["lora", "gqa"]}
 TOLERANCE = 1e-5
 COMMON = dict(vocab_size=64, max_position_embeddings=32, num_hidden_layers=2, intermediate_size=48)
 CASES = {
@@ -166,7 +168,8 @@ def test_every_workflow_on_every_mesh_equals_one_device(mesh_results):
         assert errors["cache_names"], where
         assert errors.get("greedy_equal", True) is True, where
         lora = ["lora_grads", "lora_loss"] if "lora" in WORKFLOWS[name] else []
-        for result in ["logits", "cache", "sweep", *lora]:
+        gqa = ["gqa_logits"] if "gqa" in WORKFLOWS[name] else []
+        for result in ["logits", "cache", "sweep", *lora, *gqa]:
             assert errors[result] <= TOLERANCE, (where, result, errors[result])
         assert ("greedy_equal" in errors) == ("generate" in WORKFLOWS[name]), where
 
