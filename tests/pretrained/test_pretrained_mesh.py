@@ -244,7 +244,8 @@ def test_two_processes_each_hold_their_share_and_compute_one_process_logits(chec
     """2 processes x 4 CPU devices (jax.distributed over gloo), Llama on a (2, 4) mesh: each
     process holds only its own devices' blocks (half of every matrix split over "data"), the
     logits equal one process's, and save_pretrained from the global arrays writes a directory
-    transformers loads to the same logits."""
+    transformers loads to the same logits; a mesh over some of each process's devices is one
+    ValueError line."""
     directory = checkpoints["llama"]
     tokens = np.random.default_rng(1).integers(0, 64, (4, 10))
     port = free_port()
@@ -283,6 +284,10 @@ def test_two_processes_each_hold_their_share_and_compute_one_process_logits(chec
     results = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
     for i, result in enumerate(results):
         assert result["devices"] == 8
+        assert result["refused"] == (
+            "mesh of 4 devices over 2 processes: a mesh across processes must hold all 8 devices of "
+            "the 2 processes"
+        )
         held = result["held"]
         assert all(leaf["owners"] == [i] for leaf in held.values())
         # Every d_model axis is split over "data" (2): a process holds half of each matrix.

@@ -24,7 +24,7 @@ jax.distributed.initialize(
 
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from qkv_jax import lm, load_pretrained, save_pretrained  # noqa: E402
@@ -48,7 +48,13 @@ global_tokens = jax.make_array_from_callback(
 logits = jax.jit(lm.TransformerLM(config).apply)({"params": params}, global_tokens)
 logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
 save_pretrained(out / "saved", config, params)
-result = {"process": jax.process_index(), "devices": jax.device_count(), "held": held}
+try:  # a mesh over 4 of the 8 devices, 2 of each process: refused before any tensor is read
+    load_pretrained(
+        spec["directory"], mesh=Mesh(np.asarray(jax.devices()[2:6]).reshape(2, 2), ("data", "model"))
+    )
+except ValueError as refusal:
+    refused = str(refusal)
+result = {"process": jax.process_index(), "devices": jax.device_count(), "held": held, "refused": refused}
 if jax.process_index() == 0:
     result["logits"] = logits.tolist()
 (out / f"process_{jax.process_index()}.json").write_text(json.dumps(result))
