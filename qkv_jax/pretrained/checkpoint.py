@@ -309,7 +309,7 @@ def _aligned_buffer(nbytes: int) -> np.ndarray:
     """`nbytes` of uint8 at an ALIGNMENT-aligned address. A large one is an anonymous mapping
     that asks for transparent huge pages (where the kernel leaves that to madvise), which
     the first write fills several times faster than 4 KiB pages."""
-    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes >= max(HUGE_PAGE_BYTES, 1) and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping = mmap.mmap(-1, nbytes)  # page-aligned
         mapping.madvise(mmap.MADV_HUGEPAGE)
         return np.frombuffer(mapping, np.uint8)
