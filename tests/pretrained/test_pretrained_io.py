@@ -210,7 +210,6 @@ def test_nnx_model_equals_linen_and_holds_the_same_arrays(llama, loaded):
         assert ours is given  # the linen arrays themselves: no second copy
 
 
-@pytest.mark.slow
 def test_blocks_converted_on_the_device_and_read_into_huge_pages_load_the_same(llama, loaded, monkeypatch):
     """Every tensor through the large-tensor path (on-device layout conversion and cast, an
     anonymous huge-page mapping as the read buffer): the same params, in bfloat16 too."""
