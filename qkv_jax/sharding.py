@@ -111,9 +111,10 @@ def check_mesh(mesh: Any, num_heads: int, num_kv_heads: int) -> None:
     """ValueError (one line) unless `mesh` is a jax Mesh with axes "data" and "model" whose
     model axis divides the query heads and either divides the K/V heads or is a multiple of
     them (the K/V heads then replicated), and whose devices this run's processes hold."""
-    if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {"data", "model"}:
-        axes = getattr(mesh, "axis_names", None)
-        raise ValueError(f"mesh={axes!r}: must be a jax.sharding.Mesh with axes ('data', 'model')")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh={mesh!r}: must be a jax.sharding.Mesh with axes ('data', 'model')")
+    if set(mesh.axis_names) != {"data", "model"}:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)!r}: must be ('data', 'model')")
     model = mesh.shape["model"]
     if num_heads % model or (num_kv_heads % model and model % num_kv_heads):
         raise ValueError(

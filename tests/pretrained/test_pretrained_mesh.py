@@ -217,12 +217,13 @@ def test_cached_activations_stay_split_over_the_batch_and_heads(mesh_results):
 @pytest.mark.parametrize(
     "mesh,message",
     [
-        ("not a mesh", "mesh=None: must be a jax.sharding.Mesh with axes ('data', 'model')"),
+        ((2, 4), "mesh=(2, 4): must be a jax.sharding.Mesh with axes ('data', 'model')"),
         (
             jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1), ("batch",)),
-            "mesh=('batch',): must be a jax.sharding.Mesh with axes ('data', 'model')",
+            "mesh axes ('batch',): must be ('data', 'model')",
         ),
     ],
+    ids=["not a mesh", "other axes"],
 )
 def test_a_mesh_without_the_two_axes_is_refused(checkpoints, mesh, message, monkeypatch):
     from qkv_jax.pretrained import checkpoint
