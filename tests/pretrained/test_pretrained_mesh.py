@@ -160,7 +160,16 @@ def documented_spec(path: str, shape: list[int], data: int, model: int) -> list:
 
 
 @pytest.mark.slow
-def test_every_workflow_on_every_mesh_equals_one_device(mesh_results):
+def test_every_family_on_every_mesh(mesh_results):
+    # One test for the one subprocess's results: xdist would otherwise repeat the fixture on
+    # every worker that draws one of several tests.
+    check_every_workflow_equals_one_device(mesh_results)
+    check_every_parameter_has_the_documented_sharding(mesh_results)
+    check_a_model_axis_dividing_no_heads_is_refused(mesh_results)
+    check_cached_activations_stay_split_over_the_batch_and_heads(mesh_results)
+
+
+def check_every_workflow_equals_one_device(mesh_results):
     assert sorted(OWN_MESH.values()) == sorted(MESHES)
     for name, (data, model) in OWN_MESH.items():
         errors = mesh_results[name][f"{data}x{model}"]["errors"]
@@ -174,8 +183,7 @@ def test_every_workflow_on_every_mesh_equals_one_device(mesh_results):
         assert ("greedy_equal" in errors) == ("generate" in WORKFLOWS[name]), where
 
 
-@pytest.mark.slow
-def test_every_parameter_has_the_documented_sharding(mesh_results):
+def check_every_parameter_has_the_documented_sharding(mesh_results):
     split = 0
     for name in CASES:
         for data, model in MESHES:
@@ -191,15 +199,13 @@ def test_every_parameter_has_the_documented_sharding(mesh_results):
     assert llama["1x8"]["placement"]["block_0/attention/key/kernel"]["spec"] == []
 
 
-@pytest.mark.slow
-def test_a_model_axis_dividing_no_heads_is_refused(mesh_results):
+def check_a_model_axis_dividing_no_heads_is_refused(mesh_results):
     assert mesh_results["refused"] == (
         "mesh model axis=3: must divide num_heads=8 and divide (or be a multiple of) num_kv_heads=2"
     )
 
 
-@pytest.mark.slow
-def test_cached_activations_stay_split_over_the_batch_and_heads(mesh_results):
+def check_cached_activations_stay_split_over_the_batch_and_heads(mesh_results):
     # Under jax.set_mesh: the batch (8) over "data", the heads (8 query, Llama's 2 K/V) over
     # "model" where it divides them, every other axis whole.
     for name, (data, model) in OWN_MESH.items():
