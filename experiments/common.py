@@ -388,6 +388,39 @@ def initialize_devices(distributed: bool = True) -> None:
         fail(f"--num_processes={FLAGS.num_processes} needs --coordinator host:port", 2)
 
 
+def define_mesh_flag() -> None:
+    """--mesh DATA,MODEL: a Hugging Face checkpoint loaded split over a ("data", "model") mesh."""
+    from absl import flags
+
+    flags.DEFINE_string(
+        "mesh",
+        None,
+        "DATA,MODEL (e.g. 2,4): load the Hugging Face checkpoint split over a (data, model) mesh of "
+        "DATA x MODEL devices, each process reading only its devices' slices (docs/scaling.md).",
+    )
+
+
+def mesh_from_flag() -> Any:
+    """The ("data", "model") mesh --mesh names (None without the flag); one line (exit 2) for a
+    value that is not two positive integers or asks for more devices than exist. After
+    `initialize_devices`."""
+    import jax
+    from absl import flags
+
+    value = flags.FLAGS.mesh
+    if value is None:
+        return None
+    parts = value.split(",")
+    if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        fail(f"--mesh={value!r}: must be DATA,MODEL, two positive integers (e.g. 2,4)", code=2)
+    data, model = (int(part) for part in parts)
+    if data * model > jax.device_count():
+        fail(f"--mesh={value!r}: asks for {data * model} devices; {jax.device_count()} exist", code=2)
+    from qkv_jax.training.sharding import make_mesh
+
+    return make_mesh(data, model)
+
+
 def enable_compilation_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache ('' leaves it off)."""
     if not directory:

@@ -6,7 +6,8 @@ of a Hugging Face checkpoint.
   python -m experiments.report --workdir runs/char_lm \
     --clean "x = f(a); y = f(" --corrupted "x = g(a); y = f("
   python -m experiments.report --pretrained path/to/hf_model --out reports/hf_model \
-    --prompt "The keys and the queries" [--clean "The values" --corrupted "The output"]
+    --prompt "The keys and the queries" [--clean "The values" --corrupted "The output"] \
+    [--mesh 2,4]
 
 A run: loss.png, the experiment's attention pictures of the newest checkpoint,
 report.json with the evaluation metrics and per-head diagnostics (entropy,
@@ -32,7 +33,8 @@ patching result; OUT/report.html, the same explorer page with the checkpoint's w
 one checkpoint (shown as step 0) and no loss curves. OUT is created if missing; report.html
 and report.json in it are replaced, nothing else there is touched. Text is read with the
 checkpoint's tokenizer (special tokens as it adds them), tokens labelled by their text in its
-vocabulary.
+vocabulary. --mesh DATA,MODEL loads it split over a (data, model) mesh of that many devices
+(`load_pretrained(mesh=...)`; --num_cpu_devices simulates them on a CPU).
 
 Patching: the two prompts must have as many tokens (a char LM reads characters, the
 sequence tasks whitespace-separated token ids, a Hugging Face checkpoint its
@@ -60,6 +62,7 @@ flags.DEFINE_string("prompt", None, "Language models: a text the explorer page s
 flags.DEFINE_string("clean", None, "Language models: the clean prompt of the page's patching heat map.")
 flags.DEFINE_string("corrupted", None, "With --clean: the corrupted prompt, as many tokens long.")
 common.define_common_flags()
+common.define_mesh_flag()
 
 
 def report_pretrained(patching: tuple[str, str] | None) -> None:
@@ -69,8 +72,10 @@ def report_pretrained(patching: tuple[str, str] | None) -> None:
     for name in ("prompt", "out"):
         if not FLAGS[name].value:
             common.fail(f"--{name}: required with --pretrained (and not empty)", code=2)
+    common.initialize_devices()
+    mesh = common.mesh_from_flag()
     try:
-        report = report_pretrained(FLAGS.pretrained, FLAGS.out, FLAGS.prompt, patching)
+        report = report_pretrained(FLAGS.pretrained, FLAGS.out, FLAGS.prompt, patching, mesh=mesh)
     except ConfigError as error:
         common.fail(str(error), code=2)
     print(f"{FLAGS.pretrained}: wrote {FLAGS.out}/report.json and report.html")

@@ -17,7 +17,9 @@ Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
                  weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.text
                  (character corpus), qkv_jax.lora (LoRA adapters, merge_lora),
                  qkv_jax.finetune (K/V head conversion, head ablation masks),
-                 qkv_jax.positions (rotary position embeddings)
+                 qkv_jax.positions (rotary position embeddings),
+                 qkv_jax.sharding (TransformerLM's partition rules on a
+                 ("data", "model") mesh)
 Imported on use: qkv_jax.nnx (native flax.nnx MultiHeadAttention and
                  TransformerLM; flax.nnx imports optax), qkv_jax.interpretability
                  (activation caches, patching, attribution, circuits),

@@ -5,6 +5,8 @@
   hook_name     the name of a hook point from its module path (`block_0/attention/hook_q`
                 -> `blocks.0.attn.hook_q`)
   select_names  the names a `names_filter` picks (None, a name, names, or a predicate)
+  activation_spec  where a cached activation lives on a ("data", "model") mesh: batch over
+                "data", heads over "model"
 
 Where the names come from. A model passes each named activation through a
 `HookPoint` (`qkv_jax.modules`, and its nnx twin in `qkv_jax.nnx`), a
@@ -48,10 +50,10 @@ builds hook functions and sweeps.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["HOOK_SHAPES", "hook_names", "hook_name", "select_names"]
+__all__ = ["HOOK_SHAPES", "hook_names", "hook_name", "select_names", "activation_spec"]
 
 # Name (with {l} for the layer) -> shape and meaning. N query heads, K kv heads, H and Hv
 # head depths, C the MLA latent width, M the MLP width, T query and S key positions.
@@ -170,3 +172,25 @@ def hook_name(path: Sequence[Any]) -> str:
         block = re.fullmatch(r"block_(\d+)", str(part))
         parts.append(f"blocks.{block[1]}" if block else _RENAMES.get(str(part), str(part)))
     return ".".join(parts)
+
+
+# HOOK_SHAPES's head axes: split over a mesh's "model" axis.
+_HEAD_AXES = ("N", "K", "n")
+
+
+def activation_spec(name: str, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> tuple[str | None, ...]:
+    """Where a cached activation of a ("data", "model") mesh of `axis_sizes` lives: its first
+    batch axis over "data" and its head axis (`N`, `K` or `n` in HOOK_SHAPES) over "model",
+    each where it divides; every other axis whole. Names not in HOOK_SHAPES stay whole."""
+    template = HOOK_SHAPES.get(re.sub(r"^blocks\.\d+\.", "blocks.{l}.", name))
+    if template is None:
+        return (None,) * len(shape)
+    axes = template[template.index("[") + 1 : template.index("]")].split(", ")[1:]  # after "..."
+    batch = len(shape) - len(axes)
+    named = [None] * batch + ["model" if axis in _HEAD_AXES else None for axis in axes]
+    if batch:
+        named[0] = "data"
+    return tuple(
+        axis if axis and axis_sizes.get(axis, 1) > 1 and size % axis_sizes[axis] == 0 else None
+        for axis, size in zip(named, shape, strict=True)
+    )

@@ -28,7 +28,9 @@ fn(x) and answers the attention modules' `interpretability_request()`
 resets them after. Names, filters and hooks are Python values fixed at trace
 time: under `jax.jit` close over them (`functools.partial(run_with_cache,
 model, names_filter=...)`); hook points nobody reads or changes are
-identities that XLA removes.
+identities that XLA removes. Under a ("data", "model") mesh set with `jax.set_mesh`, every
+cached activation stays split as computed: its batch over "data", its heads over "model"
+(`cache.activation_spec`), never gathered onto one device.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from flax import traverse_util
 
 from qkv_jax import lm
 from qkv_jax.hooks import HookPoint
-from qkv_jax.interpretability.cache import hook_name
+from qkv_jax.interpretability.cache import activation_spec, hook_name
 from qkv_jax.modules import AttentionRequest
 
 Array = jax.Array
@@ -251,7 +253,23 @@ def _run(owner: str, model: Any, variables: Any, inputs: tuple, kwargs: dict, sp
     else:
         raise TypeError(f"{owner}: model must be a flax linen or nnx module, got {type(model).__name__}")
     spec.check(owner, available, attentions)
-    return output, captured
+    return output, _placed(captured)
+
+
+def _placed(captured: dict[str, Array]) -> dict[str, Array]:
+    """Under a mesh with axes "data" and "model" (`jax.set_mesh`), each activation constrained
+    to stay split as computed (`cache.activation_spec`: batch over "data", heads over "model")
+    rather than gathered; without one, as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"data", "model"} <= set(mesh.axis_names):
+        return captured
+    sizes = dict(mesh.shape)
+    return {
+        name: jax.lax.with_sharding_constraint(
+            value, jax.sharding.PartitionSpec(*activation_spec(name, value.shape, sizes))
+        )
+        for name, value in captured.items()
+    }
 
 
 def run_with_cache(
@@ -261,6 +279,7 @@ def run_with_cache(
     names_filter: NamesFilter = None,
     pattern_heads: PatternHeads = None,
     hooks: Mapping[str, HookFn] | None = None,
+    to_host: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, Array]]:
     """The model's output and its activations by hook name: `(output, {name: array})`.
@@ -283,6 +302,10 @@ def run_with_cache(
         attention's own path (chunked, cuDNN, XLA, absorbed MLA).
       hooks: `{name: fn(activation, name) -> activation}` applied in the
         same run (`run_with_hooks`); captures see what they return.
+      to_host: each cached activation is moved to host memory as it is
+        produced (`jax.memory.Space.Host`; under `jax.jit` XLA schedules the
+        copies), so the accelerator holds no cache; the arrays come back in
+        the "pinned_host" memory kind, split as they were computed.
       **kwargs: the call's keyword arguments (`deterministic`, `decode`,
         `head_mask`, `segment_ids`, ...; linen's `mutable`, `rngs`). With
         linen's `mutable`, the output is `(output, mutated variables)` as
@@ -294,7 +317,10 @@ def run_with_cache(
       close over the names (they are static).
     """
     spec = _Spec.of(names_filter, pattern_heads, hooks)
-    return _run("run_with_cache", model, variables, inputs, kwargs, spec)
+    output, captured = _run("run_with_cache", model, variables, inputs, kwargs, spec)
+    if to_host:
+        captured = {name: jax.device_put(value, jax.memory.Space.Host) for name, value in captured.items()}
+    return output, captured
 
 
 def _nothing(name: str) -> bool:

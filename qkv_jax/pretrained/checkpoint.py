@@ -14,6 +14,8 @@ here writes to the directory. bfloat16 tensors come as `ml_dtypes.bfloat16` nump
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import pathlib
 from typing import Any
 
@@ -26,6 +28,11 @@ __all__ = ["INDEX", "SINGLE", "DTYPES", "PretrainedError", "read_json", "TensorS
 # The weight files of a Hugging Face directory: one file, or shards listed by an index.
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# The alignment of the buffers tensors are read into: what XLA's CPU client needs to use host
+# memory in place.
+ALIGNMENT = 64
+# Tensors read into buffers of at least this many bytes use transparent huge pages.
+HUGE_PAGE_BYTES = 2 << 20
 # safetensors' dtype names -> numpy dtypes (bfloat16 through ml_dtypes, which JAX uses).
 DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -101,6 +108,9 @@ class TensorSource:
                              checkpoint lacks, or (with `shape`) a tensor of another shape, is
                              a PretrainedError naming the file and the tensor
       has(name), names       whether the checkpoint holds a tensor; all the names it holds
+      mark_read(name), read_slice(name, index)
+                             a tensor counted as read, then read block by block (only the
+                             bytes of each block: a process reads only its devices' slices)
       skip(name)             marks a stored tensor as deliberately unused (a buffer such as
                              GPT-2's `attn.bias` or a tied head's copy) without reading it
 
@@ -129,6 +139,7 @@ class TensorSource:
                 )
             )
         self._handles: dict[pathlib.Path, Any] = {}
+        self._offsets: dict[pathlib.Path, dict[str, int]] = {}
         self._read: set[str] = set()
         self._skipped: set[str] = set()
         self.recent: list[str] = []  # the tensors read since the loader last cleared it
@@ -220,6 +231,61 @@ class TensorSource:
         self.recent.append(name)
         return value
 
+    def mark_read(self, name: str) -> None:
+        """Counts tensor `name` as read (its slices are read later, by `read_slice`)."""
+        self._where(name)
+        self.dtype(name)  # refuses a dtype numpy cannot hold
+        self._read.add(name)
+        self.recent.append(name)
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` (one slice per axis) of tensor `name`, reading only its bytes: a
+        block of whole rows (the whole tensor included) is one range of the file, read into
+        memory aligned for JAX to use without another copy (`read_rows`); any other block
+        through safetensors' `get_slice`."""
+        path = self._where(name)
+        stored = self.shape(name)
+        if all(
+            (s.start or 0) == 0 and s.stop in (None, n) for s, n in zip(index[1:], stored[1:], strict=True)
+        ):
+            rows = index[0].indices(stored[0])[:2] if stored else (0, 1)
+            return self.read_rows(name, *rows)
+        if path not in self._handles:
+            self._handles[path] = _open(path).__enter__()
+        try:
+            return self._handles[path].get_slice(name)[index]
+        except Exception as err:
+            raise PretrainedError(f"{path}: tensor {name!r} cannot be read ({err})") from None
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows `start:stop` of tensor `name` (a 0-d tensor: 0, 1), read with `os.preadv` into a
+        64-byte-aligned buffer (so `jax.device_put(..., may_alias=True)` can keep it on a CPU)."""
+        path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
+        row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
+        offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
+        block = _aligned_buffer(nbytes)
+        with open(path, "rb", buffering=0) as file:
+            done = 0
+            while done < nbytes:  # one call reads at most about 2 GiB
+                read = os.preadv(file.fileno(), [block.data[done:]], offset + done)
+                if read <= 0:
+                    raise PretrainedError(f"{path}: tensor {name!r} cannot be read (the file ends early)")
+                done += read
+        return block.view(dtype).reshape((stop - start, *stored[1:]) if stored else ())
+
+    def _data_offset(self, path: pathlib.Path, name: str) -> int:
+        """Where tensor `name`'s bytes begin in `path` (from its header)."""
+        if path not in self._offsets:
+            with open(path, "rb") as file:
+                length = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(length))
+            self._offsets[path] = {
+                key: 8 + length + entry["data_offsets"][0]
+                for key, entry in header.items()
+                if key != "__metadata__"
+            }
+        return self._offsets[path][name]
+
     def skip(self, name: str) -> None:
         """Marks stored tensor `name` as deliberately unused; PretrainedError if it is not stored."""
         self._where(name)
@@ -237,6 +303,19 @@ class TensorSource:
                 dtype = DTYPES[kind]
                 totals[dtype] = totals.get(dtype, 0) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return totals
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    """`nbytes` of uint8 at an ALIGNMENT-aligned address. A large one is an anonymous mapping
+    that asks for transparent huge pages (where the kernel leaves that to madvise), which
+    the first write fills several times faster than 4 KiB pages."""
+    if nbytes >= max(HUGE_PAGE_BYTES, 1) and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping = mmap.mmap(-1, nbytes)  # page-aligned
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        return np.frombuffer(mapping, np.uint8)
+    buffer = np.empty(nbytes + ALIGNMENT, np.uint8)
+    skip = -buffer.ctypes.data % ALIGNMENT
+    return buffer[skip : skip + nbytes]
 
 
 def _has_bin(directory: pathlib.Path) -> bool:

@@ -1,15 +1,16 @@
 """Loading a Hugging Face directory into qkv_jax's TransformerLM, tensor by tensor.
 
-  load_pretrained(directory, *, dtype=None)      -> (TransformerConfig, linen params)
-  load_pretrained_nnx(directory, *, dtype=None)  -> qkv_jax.nnx.TransformerLM
+  load_pretrained(directory, *, dtype=None, mesh=None)      -> (TransformerConfig, linen params)
+  load_pretrained_nnx(directory, *, dtype=None, mesh=None)  -> qkv_jax.nnx.TransformerLM
   family_of(model_type)                          the family file reading that config.json
 
 Order of work: config.json (its family, then every field refused that the family does not
 read), then the weight files' headers (every shard present and readable), then the tensors,
-one at a time: each is read, converted by the family, checked against the model's parameter
-shape, cast and placed into the parameter tree, and dropped, so at any moment the process
-holds the model plus about one tensor. Every tensor the family does not read is refused as
-unexpected. Nothing is written to `directory`.
+one at a time: each is checked against the model's parameter shape (from the header), then
+read block by block (the blocks this process's devices hold, on a mesh), each block put on its
+devices in the stored order and converted there (layout and dtype), and dropped, so at any
+moment the process holds its share of the model plus about one tensor's block. Every tensor
+the family does not read is refused as unexpected. Nothing is written to `directory`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from qkv_jax.lm import TransformerConfig, TransformerLM
 from qkv_jax.pretrained.checkpoint import INDEX, SINGLE, PretrainedError, TensorSource, read_json
+from qkv_jax.pretrained.placement import place, sharding_of
 from qkv_jax.pretrained.schema import HFConfig
+from qkv_jax.sharding import check_mesh
 
 __all__ = [
     "MIXTURES_OF_EXPERTS",
@@ -161,32 +165,41 @@ def _place(params: dict[str, Any], path: str, value: Any) -> None:
 
 
 def read_params(
-    family: ModuleType, config: TransformerConfig, tensors: TensorSource, dtype: np.dtype
+    family: ModuleType,
+    config: TransformerConfig,
+    tensors: TensorSource,
+    dtype: np.dtype,
+    mesh: Mesh | None = None,
 ) -> dict[str, Any]:
     """The linen params of `config` from `tensors` through `family.from_hf`, each array checked
-    against the model's shape, cast to `dtype` and moved into a JAX array before the next
-    tensor is read."""
+    against the model's shape, then placed (`placement.place`: on the default device, or split
+    over `mesh` by `qkv_jax.sharding`'s rules) in `dtype` before the next tensor is read."""
     expected = parameter_shapes(config)
     params: dict[str, Any] = {}
     placed: set[str] = set()
+    in_flight: jax.Array | None = None
     for path, array in _family_arrays(family, config, tensors):
-        value = np.asarray(array)
+        shape = tuple(array.shape)
         if path in placed:
             raise PretrainedError(f"{_source_of(tensors)}: gives {path} a second time")
         if path not in expected:
             raise PretrainedError(
                 f"{_source_of(tensors)}: gives {path}, which the config's model does not have"
             )
-        if tuple(value.shape) != expected[path]:
+        if shape != expected[path]:
             raise PretrainedError(
-                f"{_source_of(tensors)}: gives {path} of shape {tuple(value.shape)}; the config "
+                f"{_source_of(tensors)}: gives {path} of shape {shape}; the config "
                 f"({tensors.directory / 'config.json'}) gives {expected[path]}"
             )
-        leaf = jax.device_put(np.ascontiguousarray(value).astype(dtype, copy=False))
-        leaf.block_until_ready()  # copied: the host array can go before the next tensor is read
+        leaf = place(array, sharding_of(path, shape, mesh), dtype)
         _place(params, path, leaf)
         placed.add(path)
-        del value, array
+        if in_flight is not None:  # one tensor converts on the devices while the next is read
+            in_flight.block_until_ready()
+        in_flight = leaf
+        del array
+    if in_flight is not None:
+        in_flight.block_until_ready()
     missing = sorted(set(expected) - placed)
     if missing:
         raise PretrainedError(
@@ -210,7 +223,7 @@ def config_name(family: ModuleType) -> str:
 
 
 def load_pretrained(
-    directory: str | pathlib.Path, *, dtype: Any = None
+    directory: str | pathlib.Path, *, dtype: Any = None, mesh: Mesh | None = None
 ) -> tuple[TransformerConfig, dict[str, Any]]:
     """(TransformerConfig, params) of the Hugging Face model in `directory`, for the linen
     `qkv_jax.TransformerLM`: `TransformerLM(config).apply({"params": params}, tokens)`.
@@ -218,28 +231,37 @@ def load_pretrained(
     `directory` holds config.json and model.safetensors, or the shards that
     model.safetensors.index.json names. `dtype` (None: the checkpoint's own, so bfloat16
     stays bfloat16) is the parameters' dtype and the config's `param_dtype` and `dtype`.
+    With `mesh` (a `jax.sharding.Mesh` with axes "data" and "model") the parameters are global
+    jax.Arrays split by `qkv_jax.sharding.PARTITION_RULES`: each process reads only the slices
+    its devices hold, one tensor at a time (under `jax.distributed` too).
 
     Raises ValueError naming the field and its value for a config.json field qkv_jax does not
     compute (a model_type without a family, a mixture of experts, an unread field, a RoPE
     scaling it lacks), and `PretrainedError` (a ValueError) naming the file and the tensor for
     a missing config.json, invalid JSON, a missing, truncated or corrupt safetensors file, a
-    shard the index names that is absent, a missing, unexpected or misshapen tensor.
+    shard the index names that is absent, a missing, unexpected or misshapen tensor; a
+    ValueError (before any tensor is read) for a mesh without the two axes, a model axis that
+    divides neither the heads nor the K/V heads, or one this run's processes do not match.
     """
     path = pathlib.Path(directory)
     config, model_type = load_config(path)
     family = family_of(model_type)
+    if mesh is not None:
+        check_mesh(mesh, config.num_heads, config.num_kv_heads or config.num_heads)
     with TensorSource(path) as tensors:
         param_dtype = _param_dtype(tensors, dtype)
         config = dataclasses.replace(config, param_dtype=param_dtype, dtype=param_dtype)
-        params = read_params(family, config, tensors, param_dtype)
+        params = read_params(family, config, tensors, param_dtype, mesh)
     return config, params
 
 
-def load_pretrained_nnx(directory: str | pathlib.Path, *, dtype: Any = None, seed: int = 0) -> Any:
+def load_pretrained_nnx(
+    directory: str | pathlib.Path, *, dtype: Any = None, seed: int = 0, mesh: Mesh | None = None
+) -> Any:
     """The `qkv_jax.nnx.TransformerLM` of the Hugging Face model in `directory` (see
-    `load_pretrained`, whose parameters it holds without another copy); `seed` seeds its
-    dropout streams."""
-    config, params = load_pretrained(directory, dtype=dtype)
+    `load_pretrained`, whose parameters it holds without another copy, split over `mesh` when
+    given); `seed` seeds its dropout streams."""
+    config, params = load_pretrained(directory, dtype=dtype, mesh=mesh)
     return nnx_model(config, params, seed=seed)
 
 

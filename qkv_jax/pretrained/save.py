@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
+import jax
 import numpy as np
 
 from qkv_jax.lm import TransformerConfig, layer_windows
@@ -291,7 +292,9 @@ def save_pretrained(
     into shards with a model.safetensors.index.json. `files` (a tokenizer.json, say) are copied
     in beside them under their own names, inside the same atomic write, so the directory never
     exists without them. Written atomically (see the module docstring); a non-empty
-    `directory` is refused unless `overwrite`.
+    `directory` is refused unless `overwrite`. `params` may be global arrays split over a
+    mesh: each tensor is gathered whole on its own, one at a time (under `jax.distributed`,
+    every process calls this; process 0's directory is the one moved into place).
     """
     target = pathlib.Path(directory).absolute()
     limit = shard_bytes(max_shard_size)
@@ -313,7 +316,10 @@ def save_pretrained(
         for path in extra:
             _write_file(temporary / path.name, path.read_bytes())
         _sync_directory(temporary)
-        _move_into_place(temporary, target)
+        if jax.process_index() == 0:
+            _move_into_place(temporary, target)
+        else:  # the others gathered every tensor with process 0; its copy is the one kept
+            shutil.rmtree(temporary)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

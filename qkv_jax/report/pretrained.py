@@ -2,7 +2,7 @@
 
   open_pretrained(directory)            (TransformerLM, tokenizer) from config.json and
                                         tokenizer.json, no tensor read
-  load_params(directory)                (TransformerLM, params): `load_pretrained`
+  load_params(directory, mesh=None)     (TransformerLM, params): `load_pretrained`
   read_text(tokenizer, model, text, flag)  `[T]` token ids and their labels
   report_pretrained(directory, out, prompt, patching=None)
                                         out/report.json and out/report.html
@@ -101,15 +101,16 @@ def open_pretrained(directory: str | pathlib.Path) -> tuple[TransformerLM, Pretr
     return TransformerLM(config), tokenizer
 
 
-def load_params(directory: str | pathlib.Path) -> tuple[TransformerLM, Any]:
-    """(TransformerLM, params) of `directory` (`load_pretrained`), or of a fine-tuning run's
-    newest checkpoint with its adapters merged (`pretrained_text.read_merged`); ConfigError for a
-    bad file."""
+def load_params(directory: str | pathlib.Path, mesh: Any = None) -> tuple[TransformerLM, Any]:
+    """(TransformerLM, params) of `directory` (`load_pretrained`, split over `mesh` when given), or
+    of a fine-tuning run's newest checkpoint with its adapters merged
+    (`pretrained_text.read_merged`); ConfigError for a bad file or a mesh the model cannot be
+    split over."""
     try:
         if pretrained_text.is_run(directory):
             config, params, _ = pretrained_text.read_merged(directory)
         else:
-            config, params = load_pretrained(directory)
+            config, params = load_pretrained(directory, mesh=mesh)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return TransformerLM(config), params
@@ -171,12 +172,14 @@ def report_pretrained(
     prompt: str,
     patching: tuple[str, str] | None = None,
     extra: dict | None = None,
+    mesh: Any = None,
 ) -> dict:
     """out/report.json (`extra`, the prompt's tokens, its head diagnostics, and with `patching` =
     (clean, corrupted) the patching result) and out/report.html, the explorer page; `out` is
     created if missing and nothing else in it is touched. Returns report.json's content. Every
     prompt is read (ConfigError naming its flag) before a tensor is. `directory` is a Hugging
-    Face directory or a fine-tuning run's workdir (`open_pretrained`)."""
+    Face directory or a fine-tuning run's workdir (`open_pretrained`); `mesh` (a ("data",
+    "model") jax Mesh) loads a Hugging Face directory split over it."""
     directory, out = pathlib.Path(directory), pathlib.Path(out)
     shape, tokenizer = open_pretrained(directory)  # the model's shape: positions and vocabulary
     reader = PromptReader(
@@ -188,7 +191,7 @@ def report_pretrained(
     if patching is not None:
         read_patching_prompts(reader, patching)  # before any tensor is read
     check_workdir_path(out)
-    model, params = load_params(directory)
+    model, params = load_params(directory, mesh)
     metrics = prompt_diagnostics(model, params, ids, jax.random.PRNGKey(0))
 
     def inspect(params: Any, text: str | None) -> AttentionView:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from qkv_jax.training.sharding import gather
 
@@ -208,6 +209,20 @@ class Checkpoints:
                     f"{stored[name][1]}{stored[name][0]} but the model expects {dtype}{shape}"
                 )
 
+    def _host_target(self, step: int) -> Any | None:
+        """The tree checkpoint `step` holds as ShapeDtypeStructs on this process's first CPU
+        device, so that it restores whole here whatever mesh and processes saved it; None (with
+        a CheckpointWarning) when its metadata cannot be read."""
+        cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        try:
+            with _without_read_only_notes():
+                folder = epath.Path(self.directory / str(step) / "state")
+                metadata = ocp.StandardCheckpointHandler().metadata(folder)
+        except Exception as error:  # noqa: BLE001 - any read failure means skip it
+            self._warn(step, f"is unreadable ({type(error).__name__}: {error})")
+            return None
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=cpu), metadata)
+
     def restore(self, step: int, target: Any = None, *, params_only: bool = False) -> Any | None:
         """Checkpoint `step`, verified against its record; None (with a CheckpointWarning) when it
         does not read back or fails its checksum.
@@ -215,7 +230,8 @@ class Checkpoints:
         With `target` (arrays or `jax.ShapeDtypeStruct`s of the train state, or of the
         parameters alone with `params_only`), the arrays take its structure, shapes, dtypes and
         shardings, and a checkpoint that does not fit is a CheckpointMismatchError. Without
-        one, the tree as saved, as host arrays. `params_only` returns (and verifies) just the
+        one, the tree as saved, as arrays on this process's CPU (host memory), whatever mesh
+        and processes saved it. `params_only` returns (and verifies) just the
         parameters.
         """
         record_path = self.directory / str(step) / "record"
@@ -234,7 +250,10 @@ class Checkpoints:
             )
             state = self._read(step, state=ocp.args.StandardRestore(abstract))
         else:
-            state = self._read(step, state=ocp.args.StandardRestore())
+            abstract = self._host_target(step)
+            if abstract is None:
+                return None
+            state = self._read(step, state=ocp.args.StandardRestore(abstract))
         if state is None:
             return None
         tree = state["params"] if params_only else state

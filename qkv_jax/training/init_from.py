@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 from absl import logging
+from jax.sharding import Mesh, NamedSharding
 
 from qkv_jax.finetune import fit_params
 from qkv_jax.pretrained.io import is_pretrained_directory, load_pretrained
@@ -37,13 +38,14 @@ from qkv_jax.training.validate import ConfigError
 __all__ = ["read_source", "fitted_params", "initial_params"]
 
 
-def read_source(config: dict) -> Saved:
+def read_source(config: dict, mesh: Mesh | None = None) -> Saved:
     """The parameters `train.init_from` names (host arrays, or a Hugging Face checkpoint's
-    arrays at step 0); ConfigError when none is usable."""
+    arrays at step 0, split over `mesh` when given: each process reads only its devices'
+    slices); ConfigError when none is usable."""
     source = config["train"]["init_from"]
     if is_pretrained_directory(source):
         try:
-            _, params = load_pretrained(source)
+            _, params = load_pretrained(source, mesh=mesh)
         except ValueError as error:  # PretrainedError: the file and the tensor
             raise ConfigError(f"train.init_from={source!r}: {error}") from None
         path = pathlib.Path(source).absolute()
@@ -88,8 +90,11 @@ def fitted_params(config: dict, source: Saved, target: Any) -> Any:
 
 def initial_params(config: dict, target: Any, vmapped: bool) -> Any:
     """`target` (the run's fresh parameters; with `vmapped`, one set per seed) filled from
-    `train.init_from`, placed as `target` is."""
-    source = read_source(config)
+    `train.init_from`, placed as `target` is (a Hugging Face source is read onto `target`'s
+    mesh, so no process holds the whole model)."""
+    shardings = [leaf.sharding for leaf in jax.tree.leaves(target)]
+    mesh = shardings[0].mesh if shardings and isinstance(shardings[0], NamedSharding) else None
+    source = read_source(config, mesh if isinstance(mesh, Mesh) and mesh.size > 1 else None)
     fit = lambda params: fitted_params(config, source, params)
     params = jax.vmap(fit)(target) if vmapped else fit(target)
     params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), params, target)

@@ -4,11 +4,12 @@ A 2-D `jax.sharding.Mesh` with axes ("data", "model"):
   * batches are split over "data" (each device, and so each process, only
     draws its own share: with `jax_threefry_partitionable` the random batch
     generation is partitioned like its output);
-  * with a "model" axis > 1, attention heads are split over it (query, key and
-    value kernels `[D, heads, H]` along heads, `out` `[heads, Hv, D]` along its
-    head axis) and so are the MLP's hidden units (`mlp_in` columns, `mlp_out`
-    rows). Everything else, and any dimension the axis does not divide (one
-    kv head under multi-query attention, say), is replicated;
+  * with a "model" axis > 1, the parameters are split over it by the one table of
+    `qkv_jax.sharding.PARTITION_RULES` (the pretrained loader reads it too): attention
+    heads (query, key and value kernels `[D, heads, H]` along heads, `out`
+    `[heads, Hv, D]` along its head axis), the MLP's hidden units and the vocabulary.
+    Everything else, and any dimension the axis does not divide (one kv head under
+    multi-query attention, say), is replicated; nothing is split over "data";
   * the optimizer state follows the parameter it belongs to.
 """
 
@@ -19,9 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from qkv_jax import sharding as sharding_rules
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
@@ -33,20 +35,6 @@ __all__ = [
     "gather",
     "is_primary",
 ]
-
-# (scope name, leaf name, rank) -> the axis of the array that holds heads / hidden units.
-_SHARDED_AXIS = {
-    ("query", "kernel", 3): 1,
-    ("key", "kernel", 3): 1,
-    ("value", "kernel", 3): 1,
-    ("query", "bias", 2): 0,
-    ("key", "bias", 2): 0,
-    ("value", "bias", 2): 0,
-    ("out", "kernel", 3): 0,
-    ("mlp_in", "kernel", 2): 1,
-    ("mlp_in", "bias", 1): 0,
-    ("mlp_out", "kernel", 2): 0,
-}
 
 
 def mesh_shape(config: dict, num_devices: int | None = None) -> tuple[int, int]:
@@ -84,39 +72,16 @@ def make_mesh(data: int, model: int) -> Mesh:
     return Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def _names(path) -> list[str]:
-    names = []
-    for entry in path:
-        for attribute in ("key", "name"):
-            if hasattr(entry, attribute):
-                names.append(str(getattr(entry, attribute)))
-                break
-    return names
-
-
 def partition_spec(path, shape: tuple[int, ...], model_size: int) -> P:
-    """The PartitionSpec of one parameter (or optimizer-state leaf) by its path."""
-    names = _names(path)
-    if len(names) < 2 or model_size == 1:
-        return P()
-    axis = _SHARDED_AXIS.get((names[-2], names[-1], len(shape)))
-    if axis is None or shape[axis] % model_size:
-        return P()
-    spec: list[str | None] = [None] * len(shape)
-    spec[axis] = "model"
-    return P(*spec)
+    """The PartitionSpec of one parameter (or optimizer-state leaf) by its path: the rules of
+    `qkv_jax.sharding.PARTITION_RULES` over "model" (nothing is split over "data")."""
+    return sharding_rules.partition_spec(path, shape, {"model": model_size}, fsdp=False)
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh, seed_axis: bool = False) -> Any:
     """NamedShardings for every leaf of a train state (or any params-like tree); with
     `seed_axis`, every leaf has a leading seed axis (vmapped seeds), which is not split."""
-    model_size, lead = mesh.shape["model"], int(seed_axis)
-
-    def sharding(path, leaf):
-        spec = partition_spec(path, np.shape(leaf)[lead:], model_size)
-        return NamedSharding(mesh, P(*([None] * lead), *spec))
-
-    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
+    return sharding_rules.param_shardings(abstract_state, mesh, fsdp=False, lead=int(seed_axis))
 
 
 def gather(x: Any) -> np.ndarray:

@@ -291,6 +291,38 @@ def test_block_and_attention_alone_have_the_names_without_the_prefix():
     np.testing.assert_allclose(acts["hook_pattern"], pattern, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_to_host_returns_the_same_activations_in_host_memory():
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, D))
+    attention = MultiHeadAttention(num_heads=N, num_kv_heads=2, is_causal=True)
+    variables = attention.init(jax.random.PRNGKey(2), x)
+    names = ("hook_pattern", "hook_z")
+    run = functools.partial(run_with_cache, attention, names_filter=names)
+    out, on_device = jax.jit(run)(variables, x)
+    out_host, on_host = jax.jit(functools.partial(run, to_host=True))(variables, x)
+    np.testing.assert_array_equal(out_host, out)
+    assert out_host.sharding.memory_kind == "device"
+    for name in names:
+        assert on_device[name].sharding.memory_kind == "device"
+        assert on_host[name].sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(on_host[name], on_device[name])
+
+
+def test_activation_spec_splits_the_batch_and_the_heads_where_they_divide():
+    sizes = {"data": 2, "model": 4}
+    assert cache.activation_spec("blocks.3.attn.hook_q", (4, 7, 8, 2), sizes) == ("data", None, "model", None)
+    assert cache.activation_spec("blocks.0.attn.hook_k", (4, 7, 2, 2), sizes) == ("data", None, None, None)
+    assert cache.activation_spec("blocks.0.attn.hook_pattern", (3, 8, 7, 7), sizes) == (
+        None,
+        "model",
+        None,
+        None,
+    )
+    assert cache.activation_spec("hook_embed", (4, 7, 16), sizes) == ("data", None, None)
+    assert cache.activation_spec("hook_embed", (7, 16), sizes) == (None, None)  # no batch axis
+    assert cache.activation_spec("not_a_hook", (4, 4), sizes) == (None, None)
+
+
 @pytest.mark.parametrize("kind", ["learned_query", "static", "multihead"])
 def test_flag_readers_attention_hooks(kind):
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 6, 5))

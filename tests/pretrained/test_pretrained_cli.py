@@ -164,20 +164,26 @@ def hf_patching(directory, clean, corrupted):
     return answer, contrast, difference(clean_logits), difference(corrupted_logits), restored
 
 
-def run_report(directory, out, kind):
+def run_report(directory, out, kind, *extra):
     clean, corrupted = PATCHING[kind]
-    args = ["--pretrained", str(directory), "--out", str(out), "--prompt", PROMPT]
+    args = ["--pretrained", str(directory), "--out", str(out), "--prompt", PROMPT, *extra]
     return launch("report", *args, "--clean", clean, "--corrupted", corrupted)
 
 
 @pytest.mark.parametrize(
-    "kind", [pytest.param("llama", marks=pytest.mark.slow), pytest.param("gpt2", marks=pytest.mark.slow)]
+    "kind,mesh",
+    [
+        pytest.param("llama", (), marks=pytest.mark.slow, id="llama"),
+        pytest.param("gpt2", (), marks=pytest.mark.slow, id="gpt2"),
+        # Loaded onto a (2, 2) mesh of 4 simulated devices: the same report.
+        pytest.param("llama", ("--mesh=2,2", "--num_cpu_devices=4"), marks=pytest.mark.slow, id="llama-mesh"),
+    ],
 )
-def test_report_matches_transformers(checkpoints, tmp_path, kind):
+def test_report_matches_transformers(checkpoints, tmp_path, kind, mesh):
     directory, out = checkpoints[kind], tmp_path / "report"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    result = run_report(directory, out, kind)
+    result = run_report(directory, out, kind, *mesh)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "report.html", "report.json"]
@@ -295,6 +301,12 @@ def bad(name, module, args, expected):
 
 LLAMA, OUT = "{llama}", "{out}"
 BAD_INPUTS = [
+    bad(
+        "--mesh that is not DATA,MODEL",
+        "report",
+        ["--pretrained", LLAMA, "--out", OUT, "--prompt", "The", "--mesh", "2"],
+        "error: --mesh='2': must be DATA,MODEL, two positive integers (e.g. 2,4)",
+    ),
     bad(
         "token outside the vocabulary",
         "generate",

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -323,6 +324,70 @@ def test_lora_fine_tune_exports_to_transformers_with_the_merged_logits(kind, sou
     assert np.abs(exported - before).max() > 1e-3 * np.abs(before).max()
     if kind == "llama":  # experiments.generate and experiments.report read the workdir as its export
         assert_read_in_place_as_exported(workdir, tmp_path / "hf", tmp_path / "reports")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_lora_fine_tune_on_two_processes_ends_at_the_one_device_loss(sources, tmp_path):
+    """The launcher on 2 processes x 2 CPU devices (jax.distributed over gloo), a (2, 2) mesh,
+    reading the checkpoint onto it: the one-device run's losses (1e-5), and its export (read by
+    one process) loads in transformers to the one-device export's logits."""
+    directories, text = sources
+    one = train(tmp_path / "one", directories["llama"], text, "--config.model.lora_rank=4")
+    assert one.code == 0, one.stderr[-3000:]
+    port, args = (
+        free_port(),
+        [f"--config.train.init_from={directories['llama']}", f"--config.data.path={text}"],
+    )
+    mesh = ["--config.mesh.data=2", "--config.mesh.model=2", "--config.model.lora_rank=4", *SMALL, *args]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "experiments.train",
+                cache_flag(),
+                "--config",
+                "configs/pretrained_text.py",
+            ]
+            + ["--workdir", str(tmp_path / "two"), "--num_cpu_devices=2", f"--coordinator=127.0.0.1:{port}"]
+            + ["--num_processes=2", f"--process_id={i}", *mesh],
+            cwd=ROOT,
+            env=launcher_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=600) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(processes, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    losses = {
+        name: [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").open()) if "loss" in r]
+        for name in ("one", "two")
+    }
+    assert len(losses["one"]) == len(losses["two"]) > 0
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5, atol=1e-5)
+    for name in ("one", "two"):
+        done = export(tmp_path / name, tmp_path / f"{name}_hf")
+        assert done.returncode == 0, done.stderr[-2000:]
+    exported = {
+        name: tiny_checkpoints.logits(tiny_checkpoints.load_transformers(tmp_path / f"{name}_hf"), PROBE)
+        for name in ("one", "two")
+    }
+    assert_same_logits(exported["two"], exported["one"])
 
 
 @pytest.mark.slow

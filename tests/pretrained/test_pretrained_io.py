@@ -210,6 +210,22 @@ def test_nnx_model_equals_linen_and_holds_the_same_arrays(llama, loaded):
         assert ours is given  # the linen arrays themselves: no second copy
 
 
+def test_blocks_converted_on_the_device_and_read_into_huge_pages_load_the_same(llama, loaded, monkeypatch):
+    """Every tensor through the large-tensor path (on-device layout conversion and cast, an
+    anonymous huge-page mapping as the read buffer): the same params, in bfloat16 too."""
+    from qkv_jax.pretrained import placement
+
+    monkeypatch.setattr(placement, "ON_DEVICE_BYTES", 0)
+    monkeypatch.setattr(checkpoint_module, "HUGE_PAGE_BYTES", 0)
+    for dtype in (None, jnp.bfloat16):
+        _, params = load_pretrained(llama[0], dtype=dtype)
+        for ours, reference in zip(jax.tree.leaves(params), jax.tree.leaves(loaded[1]), strict=True):
+            expected = (
+                np.asarray(reference) if dtype is None else np.asarray(reference).astype(ml_dtypes.bfloat16)
+            )
+            np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
 def test_strided_views_from_a_family_load_the_same(llama, loaded, monkeypatch):
     """A family may yield a view in another memory order (a transpose): the same params."""
     family = FAMILIES["llama"]
@@ -241,20 +257,20 @@ def test_live_arrays_stay_near_the_model_size(llama, monkeypatch):
     baseline = {id(a) for a in jax.live_arrays()}
     alive: list[weakref.ref] = []
     peaks = []
-    read = checkpoint_module.TensorSource.get
+    read = checkpoint_module.TensorSource.read_slice
 
     def live_bytes() -> int:
         device = sum(a.nbytes for a in jax.live_arrays() if id(a) not in baseline)
         return device + sum(ref().nbytes for ref in alive if ref() is not None)
 
-    def get(self, name, shape=None):
+    def read_slice(self, name, index):
         peaks.append(live_bytes())
-        value = read(self, name, shape)
+        value = read(self, name, index)
         alive.append(weakref.ref(value))
         peaks.append(live_bytes())
         return value
 
-    monkeypatch.setattr(checkpoint_module.TensorSource, "get", get)
+    monkeypatch.setattr(checkpoint_module.TensorSource, "read_slice", read_slice)
     config, params = load_pretrained(llama[0])
     model_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))

@@ -9,7 +9,8 @@ layouts of Hugging Face tensors against qkv_jax's.
   activation       a Hugging Face activation name -> TransformerConfig.mlp_activation
   windows          per-layer windows from `layer_types` / `sliding_window` -> TransformerConfig.window
   Tensor           one parameter: its linen path, its Hugging Face name and the layout between them
-  read_tensors     the tensors of a table, read one at a time, in the linen layout
+  read_tensors     the tensors of a table, one at a time, in the linen layout
+  StoredTensor     one such tensor not yet read: whole, or block by block for a device mesh
   write_tensors    the same table backwards: the Hugging Face tensors of linen parameters
   skip_stored      marks a checkpoint's buffers and a tied head's copy as deliberately unused
 
@@ -24,7 +25,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from qkv_jax.lm import TransformerConfig, layer_windows
 from qkv_jax.positions import RopeScaling
@@ -44,6 +47,8 @@ __all__ = [
     "Tensor",
     "LAYOUTS",
     "read_tensors",
+    "StoredTensor",
+    "LINEN_SHAPES",
     "write_tensors",
     "array",
     "rope_parameters",
@@ -250,13 +255,74 @@ class Tensor:
     heads: int = 0
 
 
-def read_tensors(table: Iterable[Tensor], tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
-    """(linen path, array in the linen layout) for each entry of `table`, one tensor at a time."""
+# The linen shape of a stored tensor of shape `s` in each layout, given its heads `n`.
+LINEN_SHAPES: dict[str, Callable[[tuple[int, ...], int], tuple[int, ...]]] = {
+    "copy": lambda s, n: s,
+    "linear": lambda s, n: s[::-1],
+    "conv1d": lambda s, n: s,
+    "heads_in": lambda s, n: (s[1], n, s[0] // n),
+    "heads_bias": lambda s, n: (n, s[0] // n),
+    "heads_out": lambda s, n: (n, s[1] // n, s[0]),
+    "conv1d_heads_out": lambda s, n: (n, s[0] // n, s[1]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor in a linen layout, read only when asked: whole (`np.asarray`) or one
+    block of the linen array (`stored_block`), so that a process reads only the slices its
+    devices hold and converts the layout block by block (on the device: `LAYOUTS[layout].load`
+    works on numpy and JAX arrays alike)."""
+
+    tensors: Any  # qkv_jax.pretrained.checkpoint.TensorSource (`shape`, `read_slice`)
+    name: str
+    layout: str
+    heads: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The linen shape (from the file's header; nothing is read)."""
+        return tuple(LINEN_SHAPES[self.layout](tuple(self.tensors.shape(self.name)), self.heads))
+
+    def stored_block(self, index: tuple[slice, ...]) -> tuple[np.ndarray, int]:
+        """(the stored tensor's slice holding the linen block `index` (slices with start and
+        stop), its heads) for `LAYOUTS[layout].load`; a heads layout's block holds whole heads."""
+        shape, layout = self.shape, self.layout
+        if layout in ("copy", "conv1d", "linear"):
+            stored = index[::-1] if layout == "linear" else index
+            return self.tensors.read_slice(self.name, stored), self.heads
+        heads_axis, width_axis = (1, 2) if layout == "heads_in" else (0, 1)
+        heads, within, width = index[heads_axis], index[width_axis], shape[width_axis]
+        if (within.start, within.stop) != (0, width):
+            raise ValueError(f"{self.name}: a block of part of each head ({within}) cannot be read")
+        rows = slice(heads.start * width, heads.stop * width)
+        stored = {
+            "heads_in": lambda: (rows, index[0]),
+            "heads_bias": lambda: (rows,),
+            "heads_out": lambda: (index[2], rows),
+            "conv1d_heads_out": lambda: (rows, index[2]),
+        }[layout]()
+        return self.tensors.read_slice(self.name, stored), heads.stop - heads.start
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        block, heads = self.stored_block(tuple(slice(0, size) for size in self.shape))
+        value = np.ascontiguousarray(LAYOUTS[self.layout].load(block, heads))
+        return value if dtype is None else value.astype(dtype)
+
+
+def read_tensors(table: Iterable[Tensor], tensors: TensorSource) -> Iterator[tuple[str, Any]]:
+    """(linen path, the tensor in the linen layout) for each entry of `table`: a `StoredTensor`
+    (read when the loader asks for its blocks) where `tensors` reads slices, else the array."""
+    mark_read = getattr(tensors, "mark_read", None)  # a source that reads slices
     for entry in table:
-        yield (
-            entry.path,
-            np.ascontiguousarray(LAYOUTS[entry.layout].load(tensors.get(entry.name), entry.heads)),
-        )
+        if mark_read is not None:
+            mark_read(entry.name)
+            yield entry.path, StoredTensor(tensors, entry.name, entry.layout, entry.heads)
+        else:
+            yield (
+                entry.path,
+                np.ascontiguousarray(LAYOUTS[entry.layout].load(tensors.get(entry.name), entry.heads)),
+            )
 
 
 def skip_stored(
@@ -275,10 +341,14 @@ def qkv_arrays(params: Mapping[str, Any], block: int, leaf: str) -> list[np.ndar
 
 
 def array(params: Mapping[str, Any], path: str) -> np.ndarray:
-    """The linen parameter at `path` ("block_0/attention/query/kernel") of a nested params tree."""
+    """The linen parameter at `path` ("block_0/attention/query/kernel") of a nested params tree,
+    whole on the host: a global array split over several processes is gathered (every process
+    calls this in the same order), one tensor at a time."""
     node: Any = params
     for key in path.split("/"):
         node = node[key]
+    if isinstance(node, jax.Array) and not node.is_fully_addressable:  # split over processes
+        return np.asarray(multihost_utils.process_allgather(node, tiled=True))
     return np.asarray(node)
 
 

@@ -1,0 +1,81 @@
+"""Placing a checkpoint's tensors onto devices, block by block.
+
+  sharding_of   the sharding a parameter gets: its `qkv_jax.sharding` rule on a mesh, or the
+                default device without one
+  place         one tensor as a global jax.Array of that sharding: each distinct block the
+                process's devices hold is read once (only its bytes, for a `StoredTensor`),
+                put on those devices in the stored order and converted there (transpose,
+                heads split, cast), so no process holds more of the tensor than its blocks
+
+Converting on the device replaces numpy's copies of transposed arrays, which were most of a
+one-device load's time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+
+from qkv_jax import sharding as rules
+from qkv_jax.pretrained.families.common import LAYOUTS, StoredTensor
+
+__all__ = ["sharding_of", "place", "ON_DEVICE_BYTES"]
+
+# Blocks of at least this many bytes are converted on their device (one small compiled program
+# per block shape and device); smaller ones by numpy, on the host.
+ON_DEVICE_BYTES = 1 << 20
+
+
+def sharding_of(path: str, shape: tuple[int, ...], mesh: Mesh | None) -> Sharding:
+    """The parameter at `path` ("block_0/mlp_in/kernel") on `mesh` by `qkv_jax.sharding`'s
+    rules; the default device without a mesh."""
+    if mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, rules.partition_spec(path, shape, dict(mesh.shape)))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "heads", "dtype"))
+def _convert(block: jax.Array, layout: str, heads: int, dtype: Any) -> jax.Array:
+    """A stored-order block in the linen layout and `dtype`, computed where `block` lives."""
+    load: Any = LAYOUTS[layout].load  # written for numpy; the same methods on a jax.Array
+    return load(block, heads).astype(dtype)
+
+
+def _read(value: Any, index: tuple[slice, ...]) -> tuple[np.ndarray, str, int]:
+    """(the stored block, its layout, its heads) of the linen block `index` of `value`."""
+    if isinstance(value, StoredTensor):
+        block, heads = value.stored_block(index)
+        return block, value.layout, heads
+    return np.ascontiguousarray(np.asarray(value)[index]), "copy", 0
+
+
+def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
+    """`value` (a `StoredTensor` or an array, in the linen layout) as a jax.Array of `sharding`
+    and `dtype`; each distinct block this process's devices hold is read once. Returns at
+    once: the transfers and conversions run on while the caller reads the next tensor."""
+    shape = tuple(value.shape)
+    blocks: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        whole = index or tuple(slice(None) for _ in shape)
+        bounds = tuple(s.indices(size)[:2] for s, size in zip(whole, shape, strict=True))
+        blocks.setdefault(bounds, []).append(device)
+    arrays = []
+    for bounds, devices in blocks.items():
+        block, layout, heads = _read(value, tuple(slice(start, stop) for start, stop in bounds))
+        if block.nbytes < ON_DEVICE_BYTES:  # small: numpy's copy costs less than compiling
+            block = np.ascontiguousarray(LAYOUTS[layout].load(block, heads)).astype(dtype, copy=False)
+            layout = "copy"
+        for device in devices:
+            stored = jax.device_put(block, device, may_alias=True)  # a CPU keeps an aligned block
+            if layout == "copy" and stored.dtype == dtype:
+                arrays.append(stored)
+            else:
+                arrays.append(_convert(stored, layout=layout, heads=heads, dtype=np.dtype(dtype)))
+        del block  # the transfers hold it until they are done
+    if isinstance(sharding, SingleDeviceSharding):
+        return arrays[0]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -1,0 +1,61 @@
+"""One of two processes with 4 simulated CPU devices each, loading a checkpoint onto a (2, 4) mesh
+of all 8 (a subprocess of tests/pretrained/test_pretrained_mesh.py).
+
+  python tests/pretrained/two_process_worker.py '{"coordinator": "127.0.0.1:PORT", "process": 0,
+                                                  "directory": DIR, "tokens": [[...]], "out": DIR}'
+
+Writes `out`/process_{i}.json: per parameter, the processes owning its shards on this process and
+the bytes this process holds; process 0 also the logits (gathered) and the directory that
+`save_pretrained` wrote from the global arrays (every process gathering each tensor with it).
+"""
+
+import json
+import pathlib
+import sys
+
+import jax
+
+spec = json.loads(sys.argv[1])
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    coordinator_address=spec["coordinator"], num_processes=2, process_id=spec["process"]
+)
+
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from qkv_jax import lm, load_pretrained, save_pretrained  # noqa: E402
+from qkv_jax.training.sharding import make_mesh  # noqa: E402
+
+out = pathlib.Path(spec["out"])
+mesh = make_mesh(2, 4)
+config, params = load_pretrained(spec["directory"], mesh=mesh)
+held = {}
+for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    shards = {str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}  # distinct blocks
+    held["/".join(str(k.key) for k in path)] = {
+        "owners": sorted({shard.device.process_index for shard in leaf.addressable_shards}),
+        "bytes": sum(shards.values()),
+        "whole": leaf.nbytes,
+    }
+tokens = np.asarray(spec["tokens"], np.int32)
+global_tokens = jax.make_array_from_callback(
+    tokens.shape, NamedSharding(mesh, P("data")), lambda i: tokens[i]
+)
+logits = jax.jit(lm.TransformerLM(config).apply)({"params": params}, global_tokens)
+logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
+save_pretrained(out / "saved", config, params)
+try:  # a mesh over 4 of the 8 devices, 2 of each process: refused before any tensor is read
+    load_pretrained(
+        spec["directory"], mesh=Mesh(np.asarray(jax.devices()[2:6]).reshape(2, 2), ("data", "model"))
+    )
+except ValueError as refusal:
+    refused = str(refusal)
+result = {"process": jax.process_index(), "devices": jax.device_count(), "held": held, "refused": refused}
+if jax.process_index() == 0:
+    result["logits"] = logits.tolist()
+(out / f"process_{jax.process_index()}.json").write_text(json.dumps(result))
+print("ok")
