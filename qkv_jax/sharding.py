@@ -7,6 +7,8 @@ rules that the trainer and the pretrained loader both read.
   partition_spec    the PartitionSpec of one parameter by its path and shape on a mesh
   param_shardings   NamedShardings of a whole parameter tree
   check_mesh        a mesh a model of a config can be split over, else one ValueError line
+  cache_spec        the PartitionSpec of one leaf of a decode cache (`qkv_jax.lm.init_cache`)
+  cache_shardings   NamedShardings of a whole decode cache
 
 Every parameter is matched by its last two path names and its rank (so the optimizer state's
 leaves, which repeat the parameter's path under Adam's `mu` and `nu`, match as well):
@@ -27,7 +29,12 @@ leaves, which repeat the parameter's path under Adam's `mu` and `nu`, match as w
   | LoRA adapters, other biases)       |              |                                     |
 
 An axis the mesh axis does not divide stays whole (replicated across that mesh axis): K/V heads
-fewer than the model axis are replicated, as grouped-query tensor parallelism does. With
+fewer than the model axis are replicated, as grouped-query tensor parallelism does.
+
+A decode cache follows its K/V weights: the cached keys and values `[B, S, K, H]` are split with
+the batch over "data" and the K/V heads over "model" (each where it divides, so replicated
+where the K/V weights are), MLA's cached latents `[B, S, r]` over "data" only, and the
+`cache_index` counters are replicated. With
 `fsdp=False` (the trainer's default) nothing is split over "data": each data-parallel replica
 holds the whole model.
 """
@@ -42,7 +49,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["PARTITION_RULES", "LOGICAL_AXES", "partition_spec", "param_shardings", "check_mesh"]
+__all__ = [
+    "PARTITION_RULES",
+    "LOGICAL_AXES",
+    "partition_spec",
+    "param_shardings",
+    "check_mesh",
+    "cache_spec",
+    "cache_shardings",
+]
 
 # (scope name, leaf name, rank) -> the logical name of each axis (None: never split).
 PARTITION_RULES: dict[tuple[str, str, int], tuple[str | None, ...]] = {
@@ -105,6 +120,36 @@ def param_shardings(tree: Any, mesh: Mesh, *, fsdp: bool = True, lead: int = 0) 
         return NamedSharding(mesh, P(*([None] * lead), *spec))
 
     return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+# The decode cache's leaves by name -> the mesh axis of each array axis (None: never split).
+CACHE_RULES: dict[tuple[str, int], tuple[str | None, ...]] = {
+    ("cached_key", 4): ("data", None, "model", None),
+    ("cached_value", 4): ("data", None, "model", None),
+    ("cached_latent", 3): ("data", None, None),
+}
+
+
+def cache_spec(path: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, int]) -> P:
+    """The PartitionSpec of the decode-cache leaf at `path` of `shape` on a mesh of `axis_sizes`:
+    batch over "data", K/V heads over "model", each where it divides; anything else whole."""
+    names = _names(path)
+    axes = CACHE_RULES.get((names[-1], len(shape))) if names else None
+    if axes is None:
+        return P()
+    spec = [
+        axis if axis and axis_sizes.get(axis, 1) > 1 and size % axis_sizes[axis] == 0 else None
+        for axis, size in zip(axes, shape, strict=True)
+    ]
+    return P(*spec) if any(spec) else P()
+
+
+def cache_shardings(cache: Any, mesh: Mesh) -> Any:
+    """NamedShardings for every leaf of a decode cache (arrays or ShapeDtypeStructs) on `mesh`."""
+    sizes = dict(mesh.shape)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, cache_spec(path, tuple(np.shape(leaf)), sizes)), cache
+    )
 
 
 def check_mesh(mesh: Any, num_heads: int, num_kv_heads: int) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from jax.sharding import PartitionSpec as P
 from launch import launcher_env
 
 from qkv_jax import lm, load_pretrained
@@ -238,6 +239,36 @@ def test_a_mesh_without_the_two_axes_is_refused(checkpoints, mesh, message, monk
     with pytest.raises(ValueError) as info:
         load_pretrained(checkpoints["llama"], mesh=mesh)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "kv, latent, sizes, expected",
+    [
+        (
+            2,
+            None,
+            {"data": 2, "model": 2},
+            P("data", None, "model", None),
+        ),  # K/V heads split as their weights
+        (2, None, {"data": 1, "model": 4}, P()),  # 2 K/V heads on a model axis of 4: replicated
+        (4, None, {"data": 4, "model": 2}, P(None, None, "model", None)),  # a batch of 2 over data 4: whole
+        (4, 8, {"data": 2, "model": 4}, P("data", None, None)),  # MLA's latents: the batch only
+    ],
+)
+def test_the_decode_cache_follows_its_kv_weights(kv, latent, sizes, expected):
+    from qkv_jax.sharding import cache_spec
+
+    config = lm.TransformerConfig(
+        vocab_size=16, d_model=16, num_heads=4, num_kv_heads=kv, kv_latent_dim=latent, num_layers=1, max_len=8
+    )
+    cache = lm.init_cache(lm.TransformerLM(config), 2)
+    specs = {
+        jax.tree_util.keystr(path): cache_spec(path, leaf.shape, sizes)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
+    }
+    cached = {name: spec for name, spec in specs.items() if "cached_" in name}
+    assert cached and all(spec == expected for spec in cached.values()), specs
+    assert all(spec == P() for name, spec in specs.items() if "cache_index" in name)
 
 
 def free_port() -> int:
