@@ -817,8 +817,9 @@ def decode_positions(index: Array, length: int, capacity: int | None) -> tuple[A
     return new_index, index + jnp.arange(length)  # (), (T,)
 
 
-def init_cache(model: TransformerLM, batch_size: int) -> dict:
-    """The decode cache for `batch_size` sequences of up to `model.config.max_len` tokens, zeroed.
+def init_cache(model: TransformerLM, batch_size: int, length: int | None = None) -> dict:
+    """The decode cache for `batch_size` sequences of up to `length` tokens (None:
+    `model.config.max_len`), zeroed.
 
     Built from the shapes `model.init(..., decode=True)` would create, without
     computing anything: the same pytree as its "cache" collection, per layer
@@ -828,7 +829,7 @@ def init_cache(model: TransformerLM, batch_size: int) -> dict:
     the int32 scalar `cache_index` of positions filled (and the model's own
     `cache_index`, where the position embeddings continue).
     """
-    tokens = jnp.zeros((batch_size, model.config.max_len), jnp.int32)
+    tokens = jnp.zeros((batch_size, length or model.config.max_len), jnp.int32)
     shapes = jax.eval_shape(functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens)[
         "cache"
     ]
