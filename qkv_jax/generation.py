@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qkv_jax.lm import decode_capacity, decoding_key, init_cache
+
 Array = jax.Array
 Step = Callable[[Any, Array], tuple[Array, Any]]
 
@@ -60,6 +62,7 @@ __all__ = [
     "compiled_decode",
     "outputs",
     "generate",
+    "run_request",
 ]
 
 # Decode steps per call of `advance` (and per turn of `decode`'s while loop).
@@ -108,8 +111,10 @@ def _rows(prompts: Any) -> tuple[list[np.ndarray], bool]:
                 raise ValueError(f"generate: prompt row {i} must be 1-D, got shape {list(row.shape)}")
         return rows, True
     array = np.asarray(prompts)
-    if array.ndim != 2:
-        raise ValueError(f"generate: prompts must be [batch, length] or a list of 1-D rows, got {list(array.shape)}")
+    if array.ndim != 2 or array.shape[1] == 0:
+        raise ValueError(f"generate: prompt must have shape [batch, length >= 1], got {list(array.shape)}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"generate: prompt must hold integer tokens, got dtype {array.dtype}")
     return list(array), False
 
 
@@ -133,7 +138,9 @@ def end_of_text_ids(eos_token_id: Any, vocab_size: int) -> np.ndarray:
     return np.array(ids + [-1] * (width - len(ids)), np.int32)
 
 
-def prepare(config: Any, capacity: int | None, prompts: Any, max_new_tokens: int, eos_token_id: Any) -> Request:
+def prepare(
+    config: Any, capacity: int | None, prompts: Any, max_new_tokens: int, eos_token_id: Any
+) -> Request:
     """`prompts` checked (one ValueError naming the row or the value) and padded to the buckets.
     `config`: the model's `TransformerConfig`; `capacity`: the positions its cache can take
     (None: no limit)."""
@@ -218,15 +225,15 @@ def finished(token: Array, count: Array, eos: Array, max_new_tokens: Array) -> A
 
 class DecodeState(NamedTuple):
     """The decode loop's carry. `token` `[B]`: the token chosen for `position` (not yet fed);
-    `tokens`/`logprobs` `[B, W]`: the new tokens and their log-probabilities; `count` `[B]`: new
-    tokens so far; `done` `[B]`."""
+    `tokens`/`logprobs` `[B, W]`: the new tokens and their log-probabilities; `produced` `[B]`:
+    new tokens so far; `done` `[B]`."""
 
     cache: Any
     token: Array
     position: Array
     tokens: Array
     logprobs: Array
-    count: Array
+    produced: Array
     done: Array
 
 
@@ -251,17 +258,17 @@ def _record(state: DecodeState, logits: Array, inputs: Inputs, top_k: int | None
     forced = jnp.take(inputs.prompt, jnp.minimum(position, inputs.prompt.shape[1] - 1), axis=1)  # (B,)
     token = jnp.where(position < inputs.lengths, forced, sampled)  # (B,)
     generating = (position >= inputs.lengths) & ~state.done  # (B,)
-    slot = jnp.where(generating, state.count, state.tokens.shape[1])  # (B,): W drops the write
+    slot = jnp.where(generating, state.produced, state.tokens.shape[1])  # (B,): W drops the write
     rows = jnp.arange(token.shape[0])
     logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]  # (B,)
-    count = state.count + generating
-    done = state.done | (generating & finished(token, count, inputs.eos, inputs.max_new_tokens))
+    produced = state.produced + generating
+    done = state.done | (generating & finished(token, produced, inputs.eos, inputs.max_new_tokens))
     return state._replace(
         token=token,
         position=position,
         tokens=state.tokens.at[rows, slot].set(token, mode="drop"),
         logprobs=state.logprobs.at[rows, slot].set(logprob, mode="drop"),
-        count=count,
+        produced=produced,
         done=done,
     )
 
@@ -278,7 +285,7 @@ def start(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int, 
         position=jnp.array(prefill - 1, jnp.int32),
         tokens=jnp.full((batch, out_width), fill, jnp.int32),
         logprobs=jnp.zeros((batch, out_width), jnp.float32),
-        count=jnp.zeros(batch, jnp.int32),
+        produced=jnp.zeros(batch, jnp.int32),
         done=inputs.lengths == 0,  # padding rows
     )
     return _record(state, logits[:, -1], inputs, top_k)
@@ -308,10 +315,11 @@ def decode(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int,
 
 def linen_decoder(model: Any, params: Any, batch: int, length: int) -> tuple[Step, Any]:
     """`step` and a zeroed cache of `length` positions for `batch` rows of a linen `TransformerLM`."""
-    from qkv_jax.lm import init_cache
 
     def step(cache: Any, tokens: Array) -> tuple[Array, Any]:
-        logits, state = model.apply({"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"])
+        logits, state = model.apply(
+            {"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"]
+        )
         return logits, state["cache"]
 
     return step, init_cache(model, batch, length)
@@ -320,7 +328,7 @@ def linen_decoder(model: Any, params: Any, batch: int, length: int) -> tuple[Ste
 def _decode_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
     step, cache = linen_decoder(model, params, inputs.prompt.shape[0], cache_length)
     state = decode(step, cache, inputs, prefill, out_width, top_k)
-    return state.tokens, state.logprobs, state.count
+    return state.tokens, state.logprobs, state.produced
 
 
 compiled_decode = jax.jit(
@@ -351,13 +359,16 @@ def check_sampling(vocab_size: int, temperature: float, top_k: int | None, top_p
         raise ValueError(f"generate: top_p={top_p!r} must be in (0, 1] or None")
 
 
-def outputs(request: Request, max_new_tokens: int, tokens: Array, logprobs: Array, count: Array):
-    """The padded results as `generate` returns them: `[B, max_new_tokens]` (array prompts) or a
-    list of each row's tokens up to and including its first end-of-text id (list prompts)."""
-    tokens, logprobs, count = (np.asarray(x)[: request.rows] for x in (tokens, logprobs, count))
+def outputs(request: Request, max_new_tokens: int, *results: Array) -> tuple[Any, Any]:
+    """The padded results (tokens, logprobs, produced) as `generate` returns them: `[B,
+    max_new_tokens]` (array prompts) or a list of each row's tokens up to and including its
+    first end-of-text id (list prompts)."""
+    tokens, logprobs, produced = (np.asarray(x)[: request.rows] for x in results)
     if not request.ragged:
         return jnp.asarray(tokens[:, :max_new_tokens]), jnp.asarray(logprobs[:, :max_new_tokens])
-    return [jnp.asarray(t[:n]) for t, n in zip(tokens, count)], [jnp.asarray(p[:n]) for p, n in zip(logprobs, count)]
+    rows = zip(tokens, logprobs, produced, strict=True)
+    kept = [(jnp.asarray(t[:n]), jnp.asarray(p[:n])) for t, p, n in rows]
+    return [t for t, _ in kept], [p for _, p in kept]
 
 
 def generate(
@@ -382,31 +393,49 @@ def generate(
     filter the distribution as transformers' warpers do, in that order. `eos_token_id`: one id
     or several; the loop ends once every row has finished. `return_logprobs`: also the model's
     log-probability of each chosen token (before the filters), shaped as the tokens.
-    Compiled once per bucket of (batch, prompt width, output width, cache length, top_k).
+    Compiled once per bucket of (batch, prompt width, output width, cache length) and top_k
+    (`prepare`): another prompt length in the same buckets reuses the program.
     """
-    from qkv_jax.lm import decode_capacity, decoding_key
 
-    check_sampling(model.config.vocab_size, temperature, top_k, top_p)
-    _check_causal(model)
-    request = prepare(model.config, decode_capacity(model.config), prompts, max_new_tokens, eos_token_id)
-    inputs = inputs_of(request, decoding_key(rng, temperature, "generate"), max_new_tokens, temperature, top_p)
-    results = compiled_decode(
-        model,
-        params,
+    def run(inputs: Inputs, **static: Any) -> tuple[Array, Array, Array]:
+        return compiled_decode(model, params, inputs, **static)
+
+    settings = dict(rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+    return run_request(model, run, prompts, max_new_tokens, settings, return_logprobs)
+
+
+def run_request(
+    model: Any,
+    run: Callable[..., Any],
+    prompts: Any,
+    max_new_tokens: int,
+    settings: dict,
+    return_logprobs: bool,
+) -> Any:
+    """`generate` for either face: the checks (one ValueError naming the row or the value), the
+    request's buckets, then `run(inputs, prefill=, out_width=, cache_length=, top_k=)` -> (tokens,
+    logprobs, produced), and the results as `outputs` shapes them."""
+    config = model.config
+    check_sampling(config.vocab_size, settings["temperature"], settings["top_k"], settings["top_p"])
+    check_causal(config)
+    request = prepare(config, decode_capacity(config), prompts, max_new_tokens, settings["eos_token_id"])
+    rng = decoding_key(settings["rng"], settings["temperature"], "generate")
+    inputs = inputs_of(request, rng, max_new_tokens, settings["temperature"], settings["top_p"])
+    results = run(
         inputs,
         prefill=request.prefill,
         out_width=request.out_width,
         cache_length=request.cache_length,
-        top_k=top_k,
+        top_k=settings["top_k"],
     )
     tokens, logprobs = outputs(request, max_new_tokens, *results)
     return (tokens, logprobs) if return_logprobs else tokens
 
 
-def _check_causal(model: Any) -> None:
-    if not model.config.causal:
+def check_causal(config: Any) -> None:
+    """ValueError unless the model is causal (a decode cache is)."""
+    if not config.causal:
         raise ValueError(
             "generate: the model has causal=False, and decoding with a cache is causal; decode with "
             "model.clone(config=dataclasses.replace(model.config, causal=True))"
         )
-

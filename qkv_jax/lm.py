@@ -12,9 +12,9 @@
   TransformerBlock, TransformerLM  the linen faces: parameters the linen way, then
                     the core; `qkv_jax.nnx.lm` has the nnx faces over the same core.
   init_cache        the zeroed decode cache of a TransformerLM for a batch size.
-  generate          prompt -> sampled tokens, the token loop inside one `lax.scan`
-                    (`sample_with_cache`, shared with the nnx `generate`;
-                    `check_generate_args`: its host-side checks).
+  generate          prompts -> new tokens: `qkv_jax.generation.generate` (the bucketed
+                    cache, ragged prompts, the filters, end-of-text); `sample_with_cache`
+                    is the plain `lax.scan` loop the activation capture runs.
 
 Decoding follows flax's `decode=True` convention: the cache lives in the
 'cache' collection (each attention layer's `cached_key` and `cached_value`,
@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import chex
@@ -999,18 +999,25 @@ def generate(
     rng: Array | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
-) -> Array:
-    """Samples `max_new_tokens` tokens after each row of `prompt` `[B, P]` (int).
-
-    Returns `[B, max_new_tokens]` int32. `temperature` 0 is greedy (and needs no `rng`;
-    sampling without one is a ValueError); `top_k`
-    keeps the k most likely tokens. Compiled once per (model, B, P,
-    max_new_tokens, top_k): new prompts, rngs and temperatures reuse it.
-    Lengths are static, so `check_generate_args` checks them before anything
-    runs (decoding past `model.config.max_len` is a ValueError).
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    return_logprobs: bool = False,
+) -> Any:
+    """Samples `max_new_tokens` tokens after each row of `prompt`: `qkv_jax.generation.generate`
+    (a `[B, P]` array returns `[B, max_new_tokens]` int32; a list of rows of different lengths, a
+    list). `temperature` 0 is greedy (and needs no `rng`; sampling without one is a ValueError).
     """
-    prompt = checked_prompt(model, prompt, max_new_tokens, temperature, top_k)
-    rng = decoding_key(rng, temperature, "generate")
-    return _compiled_sample_tokens(
-        model, params, prompt, rng, jnp.float32(temperature), max_new_tokens=max_new_tokens, top_k=top_k
+    from qkv_jax import generation
+
+    return generation.generate(
+        model,
+        params,
+        prompt,
+        max_new_tokens,
+        rng=rng,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        return_logprobs=return_logprobs,
     )
