@@ -11,7 +11,10 @@ the stopping rule and the decode loop, composed by `generate`.
                     `advance` (the command line streams between calls); `decode` runs them
                     inside one `lax.while_loop` that ends once every row has finished.
   generate          prompts (a `[B, P]` array, or a list of 1-D sequences of different
-                    lengths) -> new tokens, for a linen model and its params.
+                    lengths) -> new tokens, for a linen model and its params; `stream`
+                    the same, yielding the tokens every few steps (the command line's).
+  end_of_text_of    a Hugging Face directory's end-of-text ids (generation_config.json,
+                    else config.json).
 
 The cache holds the request, not the model's `max_len`: `cache_length` positions, the prompt
 width plus the output width plus one chunk of steps, rounded up by `bucket` (a power of two
@@ -28,7 +31,9 @@ never depend on the other rows or on the batch size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+import pathlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -58,11 +63,14 @@ __all__ = [
     "start",
     "advance",
     "decode",
-    "linen_decoder",
+    "linen_step",
     "compiled_decode",
     "outputs",
     "generate",
+    "checked_request",
     "run_request",
+    "stream",
+    "end_of_text_of",
 ]
 
 # Decode steps per call of `advance` (and per turn of `decode`'s while loop).
@@ -313,21 +321,22 @@ def decode(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int,
     return lax.while_loop(running, lambda s: advance(step, s, inputs, CHUNK_STEPS, top_k), state)
 
 
-def linen_decoder(model: Any, params: Any, batch: int, length: int) -> tuple[Step, Any]:
-    """`step` and a zeroed cache of `length` positions for `batch` rows of a linen `TransformerLM`."""
+def linen_step(model: Any, params: Any) -> Step:
+    """One cached decode call of a linen `TransformerLM`: `(cache, tokens [B, T]) -> (logits [B,
+    T, V], cache)`."""
 
     def step(cache: Any, tokens: Array) -> tuple[Array, Any]:
         logits, state = model.apply(
             {"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"]
-        )
+        )  # (B, T, V)
         return logits, state["cache"]
 
-    return step, init_cache(model, batch, length)
+    return step
 
 
 def _decode_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
-    step, cache = linen_decoder(model, params, inputs.prompt.shape[0], cache_length)
-    state = decode(step, cache, inputs, prefill, out_width, top_k)
+    cache = init_cache(model, inputs.prompt.shape[0], cache_length)
+    state = decode(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
     return state.tokens, state.logprobs, state.produced
 
 
@@ -404,6 +413,18 @@ def generate(
     return run_request(model, run, prompts, max_new_tokens, settings, return_logprobs)
 
 
+def checked_request(model: Any, prompts: Any, max_new_tokens: int, settings: dict) -> tuple[Request, Inputs]:
+    """The checks of `generate` for either face (one ValueError naming the row or the value), then
+    the request's buckets and its traced inputs. `settings`: rng, temperature, top_k, top_p and
+    eos_token_id, as `generate`'s keywords."""
+    config = model.config
+    check_sampling(config.vocab_size, settings["temperature"], settings["top_k"], settings["top_p"])
+    check_causal(config)
+    request = prepare(config, decode_capacity(config), prompts, max_new_tokens, settings["eos_token_id"])
+    rng = decoding_key(settings["rng"], settings["temperature"], "generate")
+    return request, inputs_of(request, rng, max_new_tokens, settings["temperature"], settings["top_p"])
+
+
 def run_request(
     model: Any,
     run: Callable[..., Any],
@@ -412,15 +433,10 @@ def run_request(
     settings: dict,
     return_logprobs: bool,
 ) -> Any:
-    """`generate` for either face: the checks (one ValueError naming the row or the value), the
-    request's buckets, then `run(inputs, prefill=, out_width=, cache_length=, top_k=)` -> (tokens,
-    logprobs, produced), and the results as `outputs` shapes them."""
-    config = model.config
-    check_sampling(config.vocab_size, settings["temperature"], settings["top_k"], settings["top_p"])
-    check_causal(config)
-    request = prepare(config, decode_capacity(config), prompts, max_new_tokens, settings["eos_token_id"])
-    rng = decoding_key(settings["rng"], settings["temperature"], "generate")
-    inputs = inputs_of(request, rng, max_new_tokens, settings["temperature"], settings["top_p"])
+    """`generate` for either face: `checked_request`, then `run(inputs, prefill=, out_width=,
+    cache_length=, top_k=)` -> (tokens, logprobs, produced), and the results as `outputs`
+    shapes them."""
+    request, inputs = checked_request(model, prompts, max_new_tokens, settings)
     results = run(
         inputs,
         prefill=request.prefill,
@@ -430,6 +446,62 @@ def run_request(
     )
     tokens, logprobs = outputs(request, max_new_tokens, *results)
     return (tokens, logprobs) if return_logprobs else tokens
+
+
+def _start_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
+    cache = init_cache(model, inputs.prompt.shape[0], cache_length)
+    return start(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
+
+
+def _advance_linen(model, params, state, inputs, top_k):
+    return advance(linen_step(model, params), state, inputs, CHUNK_STEPS, top_k)
+
+
+_compiled_start = jax.jit(
+    _start_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "top_k")
+)
+_compiled_advance = jax.jit(_advance_linen, static_argnames=("model", "top_k"), donate_argnames="state")
+
+
+def stream(model: Any, params: Any, prompts: Any, max_new_tokens: int, **settings: Any) -> Iterator[list]:
+    """`generate` of a linen `TransformerLM` a few steps at a time: yields each row's new tokens
+    so far (a list of 1-D int32 NumPy arrays, ending at an end-of-text) after the prefill and
+    after every `CHUNK_STEPS` decode steps, until every row has finished. `settings`:
+    `generate`'s rng, temperature, top_k, top_p and eos_token_id (the checks run before the
+    first token)."""
+    settings = dict(dict(rng=None, temperature=1.0, top_k=None, top_p=None, eos_token_id=None), **settings)
+    request, inputs = checked_request(model, prompts, max_new_tokens, settings)
+    top_k = settings["top_k"]
+    static = dict(prefill=request.prefill, out_width=request.out_width, cache_length=request.cache_length)
+    state = _compiled_start(model, params, inputs, top_k=top_k, **static)
+    last = int(request.lengths.max()) + max_new_tokens - 1  # the last position a row needs
+    while True:
+        tokens, produced, done, position = jax.device_get(
+            (state.tokens, state.produced, state.done, state.position)
+        )
+        yield [tokens[i, : produced[i]] for i in range(request.rows)]
+        if done.all() or position >= last:
+            return
+        state = _compiled_advance(model, params, state, inputs, top_k=top_k)
+
+
+def end_of_text_of(directory: str | pathlib.Path) -> list[int] | None:
+    """The end-of-text ids of a Hugging Face directory: `eos_token_id` (one id or several) of its
+    generation_config.json, else of its config.json (or that file's `text_config`); None when
+    neither names one. ValueError naming the file for one that is not JSON."""
+    directory = pathlib.Path(directory)
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            fields = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not JSON ({error})") from None
+        eos = fields.get("eos_token_id", fields.get("text_config", {}).get("eos_token_id"))
+        if eos is not None:
+            return [int(token) for token in np.atleast_1d(eos)]
+    return None
 
 
 def check_causal(config: Any) -> None:

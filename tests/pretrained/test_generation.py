@@ -189,7 +189,7 @@ def test_the_cache_holds_the_requests_bucket_not_the_models_positions():
     request = generation.prepare(model.config, lm.decode_capacity(model.config), [[1, 2, 3]] * 8, 64, None)
     # prompt width 16, output width 64, a chunk of 4: 84 positions, bucketed to 128
     assert request.cache_length == 128 == generation.bucket(16 + 64 + generation.CHUNK_STEPS)
-    cache = jax.eval_shape(lambda: generation.linen_decoder(model, None, 8, request.cache_length)[1])
+    cache = jax.eval_shape(lambda: lm.init_cache(model, 8, request.cache_length))
     lengths = {leaf.shape[1] for leaf in jax.tree.leaves(cache) if leaf.ndim == 4}
     assert lengths == {128}
 
