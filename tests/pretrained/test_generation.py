@@ -7,7 +7,8 @@ transformers (Llama, Gemma 2 with windows and soft caps, GPT-2, Qwen2 with 32,76
   - another prompt length in the same bucket compiles nothing;
   - 2,000 first tokens drawn under temperature, top_k and top_p follow transformers' filtered
     distribution (chi-square);
-  - bad input is one ValueError naming the row or the value.
+  - bad input is one ValueError naming the row or the value;
+  - `stream` yields growing prefixes of what `generate` returns.
 """
 
 import dataclasses
@@ -258,3 +259,18 @@ def test_bad_input_is_one_value_error_naming_it(prompts, max_new_tokens, message
     with pytest.raises(ValueError) as info:
         generation.generate(lm.TransformerLM(config), None, prompts, max_new_tokens, temperature=0.0)
     assert message in str(info.value)
+
+
+@pytest.mark.slow
+def test_stream_yields_growing_prefixes_of_the_generated_tokens():
+    built = build("llama")
+    eos = int(generation.generate(built.model, built.params, [built.prompts[0]], NEW, temperature=0.0)[0][6])
+    greedy = dict(temperature=0.0, eos_token_id=eos)
+    final = generation.generate(built.model, built.params, built.prompts, NEW, **greedy)
+    chunks = list(generation.stream(built.model, built.params, built.prompts, NEW, **greedy))
+    assert len(chunks) > 2  # the prefill, then a few steps at a time
+    for before, after in zip(chunks, chunks[1:], strict=False):
+        for row_before, row_after in zip(before, after, strict=True):
+            np.testing.assert_array_equal(row_after[: len(row_before)], row_before)
+    for row, expected in zip(chunks[-1], final, strict=True):
+        np.testing.assert_array_equal(row, expected)
