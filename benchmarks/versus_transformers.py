@@ -138,7 +138,7 @@ def check(directory: str) -> dict:
 
     torch = set_torch_threads()
     tokens = tokens_of(CHECK_TOKENS, SHAPE["vocab_size"])
-    config, params = qkv_jax.load_pretrained(directory)
+    config, params = qkv_jax.load_pretrained(directory, dtype=np.float32)  # both in float32
     ours = np.asarray(jax.jit(qkv_jax.TransformerLM(config).apply)({"params": params}, tokens))
     del params
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
