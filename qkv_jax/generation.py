@@ -31,6 +31,7 @@ never depend on the other rows or on the batch size.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
@@ -40,8 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-from qkv_jax.lm import decode_capacity, decoding_key, init_cache
 
 Array = jax.Array
 Step = Callable[[Any, Array], tuple[Array, Any]]
@@ -63,6 +62,8 @@ __all__ = [
     "start",
     "advance",
     "decode",
+    "zeroed_cache",
+    "decoding_key",
     "linen_step",
     "compiled_decode",
     "outputs",
@@ -321,6 +322,26 @@ def decode(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int,
     return lax.while_loop(running, lambda s: advance(step, s, inputs, CHUNK_STEPS, top_k), state)
 
 
+def zeroed_cache(model: Any, batch_size: int, length: int) -> Any:
+    """The zeroed decode cache of a linen `TransformerLM` for `batch_size` rows of `length`
+    positions, built from the shapes `model.init(..., decode=True)` would create, without
+    computing anything (`qkv_jax.lm.init_cache`)."""
+    tokens = jnp.zeros((batch_size, length), jnp.int32)
+    init = functools.partial(model.init, decode=True)
+    shapes = jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def decoding_key(rng: Array | None, temperature: float, owner: str) -> Array:
+    """`rng`, or for greedy decoding (temperature 0) without one a fixed key it never draws
+    from; sampling without a key is a one-line ValueError."""
+    if rng is not None:
+        return rng
+    if float(temperature) == 0.0:
+        return jax.random.PRNGKey(0)
+    raise ValueError(f"{owner}: temperature={temperature} samples, so it needs rng=jax.random.key(...)")
+
+
 def linen_step(model: Any, params: Any) -> Step:
     """One cached decode call of a linen `TransformerLM`: `(cache, tokens [B, T]) -> (logits [B,
     T, V], cache)`."""
@@ -335,7 +356,7 @@ def linen_step(model: Any, params: Any) -> Step:
 
 
 def _decode_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
-    cache = init_cache(model, inputs.prompt.shape[0], cache_length)
+    cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length)
     state = decode(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
     return state.tokens, state.logprobs, state.produced
 
@@ -420,7 +441,7 @@ def checked_request(model: Any, prompts: Any, max_new_tokens: int, settings: dic
     config = model.config
     check_sampling(config.vocab_size, settings["temperature"], settings["top_k"], settings["top_p"])
     check_causal(config)
-    request = prepare(config, decode_capacity(config), prompts, max_new_tokens, settings["eos_token_id"])
+    request = prepare(config, config.decode_capacity, prompts, max_new_tokens, settings["eos_token_id"])
     rng = decoding_key(settings["rng"], settings["temperature"], "generate")
     return request, inputs_of(request, rng, max_new_tokens, settings["temperature"], settings["top_p"])
 
@@ -449,7 +470,7 @@ def run_request(
 
 
 def _start_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
-    cache = init_cache(model, inputs.prompt.shape[0], cache_length)
+    cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length)
     return start(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
 
 

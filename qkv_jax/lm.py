@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qkv_jax import generation
 from qkv_jax.attention import PrecisionLike
 from qkv_jax.hooks import hook as _hook
 from qkv_jax.lora import LoRADenseGeneral
@@ -292,6 +293,11 @@ class TransformerConfig:
     rope_scaling: RopeScaling | None = None
     local_rope_base: float | None = None
     final_logit_soft_cap: float | None = None
+
+    @property
+    def decode_capacity(self) -> int | None:
+        """Positions a decode cache can take (`decode_capacity`; None: no limit)."""
+        return decode_capacity(self)
 
     @property
     def sinks(self) -> bool:
@@ -819,21 +825,15 @@ def decode_positions(index: Array, length: int, capacity: int | None) -> tuple[A
 
 def init_cache(model: TransformerLM, batch_size: int, length: int | None = None) -> dict:
     """The decode cache for `batch_size` sequences of up to `length` tokens (None:
-    `model.config.max_len`), zeroed.
+    `model.config.max_len`), zeroed (`qkv_jax.generation.zeroed_cache`).
 
-    Built from the shapes `model.init(..., decode=True)` would create, without
-    computing anything: the same pytree as its "cache" collection, per layer
-    the cached keys and values `[batch_size, max_len, K, H]` (with
-    `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`; a
-    layer with a window w < max_len holds w positions, a ring buffer) and
-    the int32 scalar `cache_index` of positions filled (and the model's own
+    The same pytree as `model.init(..., decode=True)`'s "cache" collection, per layer the cached
+    keys and values `[batch_size, length, K, H]` (with `kv_latent_dim`, the latents
+    `[batch_size, length, kv_latent_dim]`; a layer with a window w < length holds w positions,
+    a ring buffer) and the int32 scalar `cache_index` of positions filled (and the model's own
     `cache_index`, where the position embeddings continue).
     """
-    tokens = jnp.zeros((batch_size, length or model.config.max_len), jnp.int32)
-    shapes = jax.eval_shape(functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens)[
-        "cache"
-    ]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return generation.zeroed_cache(model, batch_size, length or model.config.max_len)
 
 
 def kv_cache_bytes(model: TransformerLM, batch_size: int = 1) -> int:
@@ -980,16 +980,6 @@ def checked_prompt(
     return prompt.astype(jnp.int32)
 
 
-def decoding_key(rng: Array | None, temperature: float, owner: str) -> Array:
-    """`rng`, or for greedy decoding (temperature 0) without one a fixed key it never draws
-    from; sampling without a key is a one-line ValueError."""
-    if rng is not None:
-        return rng
-    if float(temperature) == 0.0:
-        return jax.random.PRNGKey(0)
-    raise ValueError(f"{owner}: temperature={temperature} samples, so it needs rng=jax.random.key(...)")
-
-
 def generate(
     model: TransformerLM,
     params: Any,
@@ -1007,8 +997,6 @@ def generate(
     (a `[B, P]` array returns `[B, max_new_tokens]` int32; a list of rows of different lengths, a
     list). `temperature` 0 is greedy (and needs no `rng`; sampling without one is a ValueError).
     """
-    from qkv_jax import generation
-
     return generation.generate(
         model,
         params,
