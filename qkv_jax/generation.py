@@ -285,7 +285,9 @@ def _record(state: DecodeState, logits: Array, inputs: Inputs, top_k: int | None
 def start(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int, top_k: int | None):
     """The prefill: the first `prefill` positions of every prompt through `step(cache, tokens [B,
     T]) -> (logits [B, T, V], cache)`, then the token at position `prefill`. Returns a `DecodeState`."""
-    logits, cache = step(cache, inputs.prompt[:, :prefill])  # (B, prefill, V)
+    if prefill > 1:  # its logits are unused, so XLA drops the vocabulary head of these positions
+        _, cache = step(cache, inputs.prompt[:, : prefill - 1])
+    logits, cache = step(cache, inputs.prompt[:, prefill - 1 : prefill])  # (B, 1, V)
     batch = inputs.prompt.shape[0]
     fill = jnp.maximum(inputs.eos[0], 0)  # what follows a row's end-of-text
     state = DecodeState(
