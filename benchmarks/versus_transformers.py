@@ -1,5 +1,5 @@
 r"""qkv_jax beside transformers on a random Qwen2.5-0.5B-shaped model, float32 on the CPU: a forward
-pass with every activation cached, and one LoRA fine-tuning step.
+pass with every activation cached, one LoRA fine-tuning step, and greedy generation.
 
   pip install peft   # transformers' side of the LoRA step (a benchmark-only dependency)
   python benchmarks/versus_transformers.py [--parts cache,lora] [--rounds 2] [--tokens 512] [--steps 3]
@@ -14,7 +14,7 @@ embeddings, RoPE theta 1e6, q/k/v biases; random weights) and saves it in safete
 temporary directory; qkv_jax reads it with `qkv_jax.load_pretrained`, so both compute with the
 same weights. A check process first compares both libraries' logits on 16 tokens.
 
-Two measurements, each case in a fresh process, alternating for `--rounds` rounds:
+The measurements, each case in a fresh process, alternating for `--rounds` rounds:
 
   cache  qkv_jax: `jax.jit(functools.partial(run_with_cache, model))(variables, tokens)`, every
          hook name (hook_attn_scores and hook_pattern of every head included), as
@@ -29,6 +29,14 @@ Two measurements, each case in a fresh process, alternating for `--rounds` round
          transformers: peft's `LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj",
          "k_proj", "v_proj", "o_proj"])` on the model as from_pretrained loads it (its default
          attention), torch.optim.AdamW.
+  generate  (`--parts generate` alone; `--disk_dtype bfloat16` writes the checkpoint in bfloat16,
+         both libraries read it as float32) greedy generation of 32 new tokens after 16-token
+         prompts at each of `--batches`: `qkv_jax.generate` on the model as `load_pretrained`
+         reads it (max_len 32768, the cache sized to the request) against transformers'
+         `generate(do_sample=False)`, both with no end-of-text; then the command line
+         (experiments.generate) twice on the tests' tiny Llama checkpoint with an empty
+         persistent compilation cache: the time to the first new token of each run. Writes
+         benchmarks/results/generate_vs_transformers.json.
 
 Each process imports its library, notes its resident memory (VmRSS, the baseline), loads the
 model, runs the call once (qkv_jax: compile and run; transformers: its first call), then
