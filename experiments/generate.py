@@ -124,7 +124,7 @@ def sample(model, params, prompt, eos_token_id, text_of):
                 printer.show(rows[0])
     except KeyboardInterrupt:
         print(flush=True)
-        common.fail(f"stopped by Ctrl-C after {len(rows[0]) if rows else 0} new tokens", code=130)
+        common.fail(f"stopped by Ctrl-C after {len(rows[0]) if rows else 0} new token(s)", code=130)
     if printer is not None:
         printer.show(rows[0], last=True)
     report_speed(first, max(len(row) for row in rows))
