@@ -640,6 +640,21 @@ class LMLayers(NamedTuple):
     hook: Callable[[str, Array], Array]
 
 
+# Rows of a tied head computed as `table @ x^T`: XLA:CPU reads the [V, D] table in its own order
+# instead of packing it per call, 0.7x the time of `x @ table^T` at 8 rows (a decode step).
+FEW_HEAD_ROWS = 64
+
+
+def tied_head(x: Array, table: Array, precision: Any) -> Array:
+    """Logits `[..., T, V]` of `x` `[..., T, D]` against the token embedding `table` `[V, D]`."""
+    rows = math.prod(x.shape[:-1])
+    if rows > FEW_HEAD_ROWS:
+        return jnp.einsum("...d,vd->...v", x, table, precision=precision)  # (..., T, V)
+    flat = x.reshape(rows, x.shape[-1])  # (R, D)
+    logits = jnp.einsum("vd,rd->vr", table, flat, precision=precision)  # (V, R)
+    return logits.T.reshape(*x.shape[:-1], table.shape[0])  # (..., T, V)
+
+
 def lm_forward(
     config: TransformerConfig, layers: LMLayers, tokens: Array, call: CallArgs, decode_index: Any = None
 ) -> tuple[Array, Any]:
@@ -672,7 +687,7 @@ def lm_forward(
     x = layers.final_norm(x)
     if layers.head is None:
         x, table = nn.dtypes.promote_dtype(x, layers.embedding_table(), dtype=config.dtype)
-        logits = jnp.einsum("...d,vd->...v", x, table, precision=config.precision)  # (..., T, V)
+        logits = tied_head(x, table, config.precision)  # (..., T, V)
     else:
         logits = layers.head(x)  # (..., T, V)
     logits = logits.astype(jnp.float32)
