@@ -117,6 +117,10 @@ def summary(out: Path) -> list[str]:
     lm = out / "lm_gpu.txt"
     if lm.exists():
         lines += ["", *(line for line in lm.read_text().splitlines() if line.startswith(("|", "Device")))]
+    generate = out / "generate_gpu.txt"  # benchmarks/gpu_generate.py
+    if generate.exists():
+        kept = ("|", "Device", "Greedy")
+        lines += ["", *(line for line in generate.read_text().splitlines() if line.startswith(kept))]
     return lines
 
 
