@@ -19,7 +19,8 @@ the stopping rule and the decode loop, composed by `generate`.
 The cache holds the request, not the model's `max_len`: `cache_length` positions, the prompt
 width plus the output width plus one chunk of steps, rounded up by `bucket` (a power of two
 from 64 up to 1024, then a multiple of 1024) and never more than the model's positions. A
-decode step attends over that many positions.
+decode step attends over that many positions, the ones not yet written masked: its attention
+work follows the bucket, never the model's `max_len`.
 
 Ragged prompts are never padded into each other's attention: every row is fed the tokens of
 its own prompt one position at a time after a common prefill (`prefill_length`: the shortest
