@@ -181,7 +181,7 @@ def main() -> None:
     agree = {b: bool(np.array_equal(ours[b]["tokens"], theirs[b]["tokens"])) for b in theirs}
     device = str(jax.devices()[0].device_kind)
     lines = table(device, bandwidth(args.dry_run), weight_bytes, new, ours, theirs)
-    lines.append(f"Greedy tokens equal transformers' (greedy, bfloat16), by batch: {agree or 'not run'}")
+    lines += ["", f"Greedy tokens equal transformers' (greedy, bfloat16), by batch: {agree or 'not run'}"]
     print("\n".join(lines))
     drop = {"tokens"}
     record = {
