@@ -99,6 +99,11 @@ def qkv_jax_runs(directory: str, prompts: dict, new: int, steps: int) -> tuple[d
             lambda tokens=tokens: np.asarray(qkv_jax.generate(model, params, tokens, new, temperature=0.0)),
             steps,
         )
+        rate = batch * new / runs[batch]["seconds"]  # printed as it comes, should a timeout cut the rest
+        print(
+            f"qkv_jax batch {batch}: {rate:.0f} new tokens/s, first call {runs[batch]['first_s']:.1f} s",
+            flush=True,
+        )
     return runs, weight_bytes
 
 
