@@ -14,6 +14,9 @@
 #      flex_attention (benchmarks/gpu_probe.py)                           ($OUT/probe.*);
 #      the LM's train step against torch eager and torch.compile, and decoding tokens/s
 #      (benchmarks/lm.py --gpu)                                            ($OUT/lm_gpu.*);
+#      greedy generation's bfloat16 tokens/s at batch 1 and 16 on the Qwen2.5-0.5B-shaped
+#      checkpoint, against transformers' generate and the weights' bytes over a measured
+#      bandwidth (benchmarks/gpu_generate.py)                        ($OUT/generate_gpu.*);
 #   3. one table of all of it (benchmarks/gpu_summary.py)                  ($OUT/summary.md).
 # Exits non-zero if the tests or a check failed (every step runs regardless).
 #
@@ -118,6 +121,15 @@ probe_s=$((left * 60 / 100))
 echo "== 2. attention options timed (${probe_s} s), then the LM"
 timeout "$probe_s" python3 benchmarks/gpu_probe.py --budget-s $((probe_s - 25)) --out "$OUT/probe.json" \
   "${dry_run[@]}" >"$OUT/probe.txt" 2>&1 || echo "probe: exit $? (its rows so far are in probe.txt)"
+pack
+left=$((total - 10 - (SECONDS - started)))
+generate_s=$((left / 2 < 150 ? left / 2 : 150))
+if ((generate_s > 30)); then
+  timeout "$generate_s" python3 benchmarks/gpu_generate.py --out "$OUT" "${dry_run[@]}" \
+    >"$OUT/generate_gpu.txt" 2>&1 || echo "generation benchmark: exit $?"
+else
+  echo "generation benchmark: skipped, ${generate_s} s"
+fi
 pack
 left=$((total - 10 - (SECONDS - started)))
 if ((left > 30)); then

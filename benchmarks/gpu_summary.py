@@ -117,6 +117,11 @@ def summary(out: Path) -> list[str]:
     lm = out / "lm_gpu.txt"
     if lm.exists():
         lines += ["", *(line for line in lm.read_text().splitlines() if line.startswith(("|", "Device")))]
+    generate = out / "generate_gpu.txt"  # benchmarks/gpu_generate.py
+    if generate.exists():
+        kept = ("|", "Device", "Greedy")  # with the blank line that opens its table
+        text = generate.read_text().splitlines()
+        lines += ["", *(line for line in text if line.startswith(kept) or not line)]
     return lines
 
 

@@ -1,5 +1,5 @@
 r"""qkv_jax beside transformers on a random Qwen2.5-0.5B-shaped model, float32 on the CPU: a forward
-pass with every activation cached, and one LoRA fine-tuning step.
+pass with every activation cached, one LoRA fine-tuning step, and greedy generation.
 
   pip install peft   # transformers' side of the LoRA step (a benchmark-only dependency)
   python benchmarks/versus_transformers.py [--parts cache,lora] [--rounds 2] [--tokens 512] [--steps 3]
@@ -14,7 +14,7 @@ embeddings, RoPE theta 1e6, q/k/v biases; random weights) and saves it in safete
 temporary directory; qkv_jax reads it with `qkv_jax.load_pretrained`, so both compute with the
 same weights. A check process first compares both libraries' logits on 16 tokens.
 
-Two measurements, each case in a fresh process, alternating for `--rounds` rounds:
+The measurements, each case in a fresh process, alternating for `--rounds` rounds:
 
   cache  qkv_jax: `jax.jit(functools.partial(run_with_cache, model))(variables, tokens)`, every
          hook name (hook_attn_scores and hook_pattern of every head included), as
@@ -29,6 +29,14 @@ Two measurements, each case in a fresh process, alternating for `--rounds` round
          transformers: peft's `LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj",
          "k_proj", "v_proj", "o_proj"])` on the model as from_pretrained loads it (its default
          attention), torch.optim.AdamW.
+  generate  (`--parts generate` alone; `--disk_dtype bfloat16` writes the checkpoint in bfloat16,
+         both libraries read it as float32) greedy generation of 32 new tokens after 16-token
+         prompts at each of `--batches`: `qkv_jax.generate` on the model as `load_pretrained`
+         reads it (max_len 32768, the cache sized to the request) against transformers'
+         `generate(do_sample=False)`, both with no end-of-text; then the command line
+         (experiments.generate) twice on the tests' tiny Llama checkpoint with an empty
+         persistent compilation cache: the time to the first new token of each run. Writes
+         benchmarks/results/generate_vs_transformers.json.
 
 Each process imports its library, notes its resident memory (VmRSS, the baseline), loads the
 model, runs the call once (qkv_jax: compile and run; transformers: its first call), then
@@ -83,8 +91,10 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 CASES = {
     "cache": ("qkv_jax", "qkv_jax_tcmalloc", "transformers"),
     "lora": ("qkv_jax", "qkv_jax_tcmalloc", "transformers"),
+    "generate": ("qkv_jax", "transformers"),
 }
 CHECK_TOKENS = 16
+GENERATE_PROMPT, GENERATE_NEW = 16, 32  # greedy generation: prompt tokens, new tokens
 
 
 def status_bytes(field: str) -> int:
@@ -106,15 +116,16 @@ def tokens_of(count: int, vocab: int):
     return np.random.default_rng(0).integers(0, vocab, size=(1, count), dtype=np.int32)
 
 
-def write_checkpoint(directory: pathlib.Path) -> None:
-    """transformers writes a random float32 model of SHAPE into `directory` (safetensors)."""
+def write_checkpoint(directory: pathlib.Path, dtype: str = "float32") -> None:
+    """transformers writes a random model of SHAPE into `directory` (safetensors), its weights in
+    `dtype` (float32 or bfloat16)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(**SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
 
 
 def set_torch_threads():
@@ -135,7 +146,7 @@ def check(directory: str) -> dict:
 
     torch = set_torch_threads()
     tokens = tokens_of(CHECK_TOKENS, SHAPE["vocab_size"])
-    config, params = qkv_jax.load_pretrained(directory)
+    config, params = qkv_jax.load_pretrained(directory, dtype=np.float32)  # both in float32
     ours = np.asarray(jax.jit(qkv_jax.TransformerLM(config).apply)({"params": params}, tokens))
     del params
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -317,11 +328,60 @@ def transformers_lora(directory: str, tokens):
     return call, plain
 
 
+def prompts_of(batch: int):
+    """`batch` rows of GENERATE_PROMPT random token ids."""
+    import numpy as np
+
+    return np.random.default_rng(1).integers(
+        0, SHAPE["vocab_size"], size=(batch, GENERATE_PROMPT), dtype=np.int32
+    )
+
+
+def qkv_jax_generate(directory: str, prompts):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import qkv_jax
+
+    config, params = qkv_jax.load_pretrained(directory, dtype=jnp.float32)  # as is: max_len 32768
+    model = qkv_jax.TransformerLM(config)
+
+    def call():
+        tokens = np.asarray(qkv_jax.generate(model, params, prompts, GENERATE_NEW, temperature=0.0))
+        return {"tokens": tokens.tolist(), "max_len": config.max_len}
+
+    return call, None
+
+
+def transformers_generate(directory: str, prompts):
+    import transformers
+
+    torch = set_torch_threads()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    inputs = torch.from_numpy(prompts).long()
+
+    def call():
+        with torch.no_grad():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                do_sample=False,
+                max_new_tokens=GENERATE_NEW,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return {"tokens": out[:, prompts.shape[1] :].tolist(), "attention": model.config._attn_implementation}
+
+    return call, None
+
+
 BUILDERS = {
     ("cache", "qkv_jax"): qkv_jax_cache,
     ("cache", "transformers"): transformers_cache,
     ("lora", "qkv_jax"): qkv_jax_lora,
     ("lora", "transformers"): transformers_lora,
+    ("generate", "qkv_jax"): qkv_jax_generate,
+    ("generate", "transformers"): transformers_generate,
 }
 
 
@@ -347,7 +407,7 @@ def measure(part: str, case: str, directory: str, count: int, steps: int) -> dic
             "torch_num_threads": torch.get_num_threads(),
             "torch_num_interop_threads": torch.get_num_interop_threads(),
         }
-    tokens = tokens_of(count, SHAPE["vocab_size"])
+    tokens = prompts_of(count) if part == "generate" else tokens_of(count, SHAPE["vocab_size"])
     baseline = status_bytes("VmRSS")
     started = time.perf_counter()
     call, plain = BUILDERS[(part, library)](directory, tokens)
@@ -363,14 +423,15 @@ def measure(part: str, case: str, directory: str, count: int, steps: int) -> dic
         info = call()
         times.append(time.perf_counter() - started)
     steps_peak = status_bytes("VmHWM")
-    plain()  # (qkv_jax: compiled here)
     plain_times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        plain()
-        plain_times.append(time.perf_counter() - started)
+    if plain is not None:  # (generation has no plain call)
+        plain()  # (qkv_jax: compiled here)
+        for _ in range(steps):
+            started = time.perf_counter()
+            plain()
+            plain_times.append(time.perf_counter() - started)
     return {
-        "plain_seconds": statistics.median(plain_times),
+        "plain_seconds": statistics.median(plain_times) if plain_times else None,
         "seconds": statistics.median(times),
         "times": times,
         "first_call_seconds": first_seconds,
@@ -429,6 +490,8 @@ def main() -> None:
     parser.add_argument("--write", metavar="DIRECTORY", help=argparse.SUPPRESS)
     parser.add_argument("--check", metavar="DIRECTORY", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help=argparse.SUPPRESS)
+    parser.add_argument("--disk_dtype", default="float32", help="the checkpoint's dtype on disk")
+    parser.add_argument("--batches", default="1,8", help="generate: the batch sizes")
     args = parser.parse_args()
     if args.child:
         part, case, directory, count, steps = args.child
@@ -436,7 +499,7 @@ def main() -> None:
         return
     if args.write:
         SHAPE["num_hidden_layers"] = args.layers
-        write_checkpoint(pathlib.Path(args.write))
+        write_checkpoint(pathlib.Path(args.write), args.disk_dtype)
         return
     if args.check:
         print(json.dumps(check(args.check)))
@@ -449,7 +512,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="versus_transformers_") as folder:
         directory = pathlib.Path(folder) / "qwen2"
         subprocess.run(  # in a process of its own, whose memory is gone before the measurements
-            [PYTHON, __file__, "--write", str(directory), "--layers", str(args.layers)], cwd=ROOT, check=True
+            [PYTHON, __file__, "--write", str(directory), "--layers", str(args.layers)]
+            + ["--disk_dtype", args.disk_dtype],
+            cwd=ROOT,
+            check=True,
         )
         for path in directory.glob("*.safetensors"):  # into the page cache, for every case alike
             path.read_bytes()
@@ -458,6 +524,9 @@ def main() -> None:
         print(f"logits on {agreement['tokens']} tokens: relative difference {relative:.2e}")
         if agreement["relative_difference"] > 1e-4:
             raise SystemExit("qkv_jax's and transformers' logits differ: the comparison would not be honest")
+        if parts == ["generate"]:
+            generate_main(args, directory, agreement)
+            return
         runs = {part: {case: [] for case in cases[part]} for part in parts}
         load_averages = {}
         for part in parts:
@@ -619,6 +688,114 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
             "threads": {case: results[0]["threads"] for case, results in runs.items()},
             "summary": summary,
             "runs": runs,
+        },
+    )
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def generate_main(args, directory: pathlib.Path, agreement: dict) -> None:
+    """The generate part: each batch size in fresh processes, alternating for `--rounds` rounds,
+    then the command line's time to first token on its second run; writes the results."""
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: dict[int, dict[str, list[dict]]] = {b: {"qkv_jax": [], "transformers": []} for b in batches}
+    started = os.getloadavg()
+    for _ in range(args.rounds):
+        for batch in batches:
+            for case in CASES["generate"]:
+                result = child(["--child", "generate", case, str(directory), str(batch), str(args.steps)])
+                print("generate", batch, case, f"{result['seconds']:.2f} s", flush=True)
+                runs[batch][case].append(result)
+    load = {"before": started, "after": os.getloadavg()}
+    report_generate(args, runs, agreement, load, command_line_first_token())
+
+
+def command_line_first_token() -> list[dict]:
+    """`experiments.generate` twice on docs/pretrained.md's stand-in (the tests' tiny Llama
+    checkpoint) with a fresh compilation cache: each run's time to its first new token."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tiny_checkpoints
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="generate_cli_") as folder:
+        checkpoint = tiny_checkpoints.checkpoint(pathlib.Path(folder) / "llama", "llama")
+        for _ in range(2):
+            started = time.perf_counter()
+            result = subprocess.run(
+                [
+                    PYTHON,
+                    "-m",
+                    "experiments.generate",
+                    "--pretrained",
+                    str(checkpoint),
+                    "--prompt",
+                    "The keys",
+                ]
+                + ["--temperature", "0", "--max_new_tokens", "32", f"--compilation_cache={folder}/cache"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            speed = next(line for line in result.stderr.splitlines() if line.startswith("speed: "))
+            first = float(speed.split("first new token ")[1].split(" s")[0])
+            runs.append({"first_token_seconds": first, "command_seconds": time.perf_counter() - started})
+    return runs
+
+
+def report_generate(args, runs: dict, agreement: dict, load: dict, cli: list[dict]) -> None:
+    rows, ratios = [], {}
+    for batch, cases in runs.items():
+        ours, theirs = (median([r["seconds"] for r in cases[c]]) for c in ("qkv_jax", "transformers"))
+        firsts = [median([r["first_call_seconds"] for r in cases[c]]) for c in ("qkv_jax", "transformers")]
+        same = cases["qkv_jax"][-1]["last"]["tokens"] == cases["transformers"][-1]["last"]["tokens"]
+        rows.append(
+            f"| {batch} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | {firsts[0]:.2f} "
+            f"| {firsts[1]:.2f} | {'yes' if same else 'no'} |"
+        )
+        ratios[f"qkv_jax / transformers time, batch {batch}"] = ours / theirs
+    ratios["command line, second run: time to first token (s)"] = cli[1]["first_token_seconds"]
+    max_len = runs[next(iter(runs))]["qkv_jax"][-1]["last"]["max_len"]
+    table = [
+        f"Greedy generation of {GENERATE_NEW} new tokens after {GENERATE_PROMPT}-token random prompts on a "
+        f"random Qwen2.5-0.5B-shaped checkpoint written by transformers in {args.disk_dtype} ({args.layers} "
+        "layers, d_model 896, 14/2 heads of 64, MLP 4864, 151936-token vocabulary, tied embeddings), both "
+        "libraries computing in float32. qkv_jax: `qkv_jax.generate(model, params, prompts, "
+        f"{GENERATE_NEW}, temperature=0.0)` on the model as `load_pretrained` reads it (max_len {max_len}; "
+        "the cache sized to the request's bucket). transformers: `model.generate(do_sample=False)` "
+        f"(attention {runs[next(iter(runs))]['transformers'][-1]['last']['attention']}). On "
+        f"{agreement['tokens']} tokens the two libraries' logits differ by "
+        f"{agreement['relative_difference']:.1e} of the largest logit. Each case in a fresh process, "
+        f"{args.rounds} rounds alternating, {args.steps} timed calls per process after a first call "
+        "(qkv_jax: its compile); median time. Load average (1, 5, 15 min) "
+        f"{', '.join(f'{x:.1f}' for x in load['before'])} before and "
+        f"{', '.join(f'{x:.1f}' for x in load['after'])} after; other work shared the machine.",
+        "",
+        "| batch | qkv_jax (s) | transformers (s) | ratio | qkv_jax first call (s) "
+        "| transformers first call (s) | same tokens |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "The command line (`python -m experiments.generate --pretrained DIR --prompt 'The keys' "
+        "--temperature 0 --max_new_tokens 32`) on docs/pretrained.md's stand-in, a tiny Llama "
+        "checkpoint, twice with an empty persistent compilation cache: time from the command's start "
+        "to its first new token "
+        f"{cli[0]['first_token_seconds']:.2f} s on the first run and {cli[1]['first_token_seconds']:.2f} s "
+        f"on the second (whole commands {cli[0]['command_seconds']:.2f} s and "
+        f"{cli[1]['command_seconds']:.2f} s, Python's start and imports included).",
+    ]
+    print("\n".join(table))
+    path = write_results(
+        "generate_vs_transformers",
+        f"python benchmarks/versus_transformers.py --parts generate --rounds {args.rounds} "
+        f"--steps {args.steps} --disk_dtype {args.disk_dtype} --batches {args.batches}",
+        {
+            "title": "Greedy generation: qkv_jax against transformers' generate (CPU)",
+            "table": table,
+            "ratios": ratios,
+            "logits_agreement": agreement,
+            "load_average": load,
+            "command_line": cli,
+            "runs": {str(b): cases for b, cases in runs.items()},
         },
     )
     print(f"wrote {path.relative_to(ROOT)}")

@@ -14,7 +14,8 @@ Language model:  TransformerConfig, TransformerBlock, TransformerLM, generate, i
 Hugging Face:    load_pretrained, save_pretrained (qkv_jax.pretrained: safetensors directories)
 Head analysis:   collect_attention_weights, head_diagnostics, induction_scores
 Submodules:      qkv_jax.checks (chex checks), qkv_jax.interop (PyTorch and Flax
-                 weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.text
+                 weights), qkv_jax.diagnostics, qkv_jax.lm, qkv_jax.generation
+                 (the decode loop, its cache and filters), qkv_jax.text
                  (character corpus), qkv_jax.lora (LoRA adapters, merge_lora),
                  qkv_jax.finetune (K/V head conversion, head ablation masks),
                  qkv_jax.positions (rotary position embeddings),
@@ -29,7 +30,7 @@ Imported on use: qkv_jax.nnx (native flax.nnx MultiHeadAttention and
                  checkout's `studies` package, beside the launchers
 """
 
-from qkv_jax import checks, diagnostics, finetune, interop, lm, lora, positions, text
+from qkv_jax import checks, diagnostics, finetune, generation, interop, lm, lora, positions, text
 from qkv_jax.attention import (
     causal_mask,
     chunked_attention,
@@ -74,6 +75,7 @@ __all__ = [
     "checks",
     "diagnostics",
     "finetune",
+    "generation",
     "interop",
     "lm",
     "lora",

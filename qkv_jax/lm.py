@@ -12,9 +12,9 @@
   TransformerBlock, TransformerLM  the linen faces: parameters the linen way, then
                     the core; `qkv_jax.nnx.lm` has the nnx faces over the same core.
   init_cache        the zeroed decode cache of a TransformerLM for a batch size.
-  generate          prompt -> sampled tokens, the token loop inside one `lax.scan`
-                    (`sample_with_cache`, shared with the nnx `generate`;
-                    `check_generate_args`: its host-side checks).
+  generate          prompts -> new tokens: `qkv_jax.generation.generate` (the bucketed
+                    cache, ragged prompts, the filters, end-of-text); `sample_with_cache`
+                    is the plain `lax.scan` loop the activation capture runs.
 
 Decoding follows flax's `decode=True` convention: the cache lives in the
 'cache' collection (each attention layer's `cached_key` and `cached_value`,
@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import chex
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qkv_jax import generation
 from qkv_jax.attention import PrecisionLike
 from qkv_jax.hooks import hook as _hook
 from qkv_jax.lora import LoRADenseGeneral
@@ -292,6 +293,11 @@ class TransformerConfig:
     rope_scaling: RopeScaling | None = None
     local_rope_base: float | None = None
     final_logit_soft_cap: float | None = None
+
+    @property
+    def decode_capacity(self) -> int | None:
+        """Positions a decode cache can take (`decode_capacity`; None: no limit)."""
+        return decode_capacity(self)
 
     @property
     def sinks(self) -> bool:
@@ -634,6 +640,21 @@ class LMLayers(NamedTuple):
     hook: Callable[[str, Array], Array]
 
 
+# Rows of a tied head computed as `table @ x^T`: XLA:CPU reads the [V, D] table in its own order
+# instead of packing it per call, 0.7x the time of `x @ table^T` at 8 rows (a decode step).
+FEW_HEAD_ROWS = 64
+
+
+def tied_head(x: Array, table: Array, precision: Any) -> Array:
+    """Logits `[..., T, V]` of `x` `[..., T, D]` against the token embedding `table` `[V, D]`."""
+    rows = math.prod(x.shape[:-1])
+    if rows > FEW_HEAD_ROWS:
+        return jnp.einsum("...d,vd->...v", x, table, precision=precision)  # (..., T, V)
+    flat = x.reshape(rows, x.shape[-1])  # (R, D)
+    logits = jnp.einsum("vd,rd->vr", table, flat, precision=precision)  # (V, R)
+    return logits.T.reshape(*x.shape[:-1], table.shape[0])  # (..., T, V)
+
+
 def lm_forward(
     config: TransformerConfig, layers: LMLayers, tokens: Array, call: CallArgs, decode_index: Any = None
 ) -> tuple[Array, Any]:
@@ -666,7 +687,7 @@ def lm_forward(
     x = layers.final_norm(x)
     if layers.head is None:
         x, table = nn.dtypes.promote_dtype(x, layers.embedding_table(), dtype=config.dtype)
-        logits = jnp.einsum("...d,vd->...v", x, table, precision=config.precision)  # (..., T, V)
+        logits = tied_head(x, table, config.precision)  # (..., T, V)
     else:
         logits = layers.head(x)  # (..., T, V)
     logits = logits.astype(jnp.float32)
@@ -817,22 +838,17 @@ def decode_positions(index: Array, length: int, capacity: int | None) -> tuple[A
     return new_index, index + jnp.arange(length)  # (), (T,)
 
 
-def init_cache(model: TransformerLM, batch_size: int) -> dict:
-    """The decode cache for `batch_size` sequences of up to `model.config.max_len` tokens, zeroed.
+def init_cache(model: TransformerLM, batch_size: int, length: int | None = None) -> dict:
+    """The decode cache for `batch_size` sequences of up to `length` tokens (None:
+    `model.config.max_len`), zeroed (`qkv_jax.generation.zeroed_cache`).
 
-    Built from the shapes `model.init(..., decode=True)` would create, without
-    computing anything: the same pytree as its "cache" collection, per layer
-    the cached keys and values `[batch_size, max_len, K, H]` (with
-    `kv_latent_dim`, the latents `[batch_size, max_len, kv_latent_dim]`; a
-    layer with a window w < max_len holds w positions, a ring buffer) and
-    the int32 scalar `cache_index` of positions filled (and the model's own
+    The same pytree as `model.init(..., decode=True)`'s "cache" collection, per layer the cached
+    keys and values `[batch_size, length, K, H]` (with `kv_latent_dim`, the latents
+    `[batch_size, length, kv_latent_dim]`; a layer with a window w < length holds w positions,
+    a ring buffer) and the int32 scalar `cache_index` of positions filled (and the model's own
     `cache_index`, where the position embeddings continue).
     """
-    tokens = jnp.zeros((batch_size, model.config.max_len), jnp.int32)
-    shapes = jax.eval_shape(functools.partial(model.init, decode=True), jax.random.PRNGKey(0), tokens)[
-        "cache"
-    ]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return generation.zeroed_cache(model, batch_size, length or model.config.max_len)
 
 
 def kv_cache_bytes(model: TransformerLM, batch_size: int = 1) -> int:
@@ -979,16 +995,6 @@ def checked_prompt(
     return prompt.astype(jnp.int32)
 
 
-def decoding_key(rng: Array | None, temperature: float, owner: str) -> Array:
-    """`rng`, or for greedy decoding (temperature 0) without one a fixed key it never draws
-    from; sampling without a key is a one-line ValueError."""
-    if rng is not None:
-        return rng
-    if float(temperature) == 0.0:
-        return jax.random.PRNGKey(0)
-    raise ValueError(f"{owner}: temperature={temperature} samples, so it needs rng=jax.random.key(...)")
-
-
 def generate(
     model: TransformerLM,
     params: Any,
@@ -998,18 +1004,23 @@ def generate(
     rng: Array | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
-) -> Array:
-    """Samples `max_new_tokens` tokens after each row of `prompt` `[B, P]` (int).
-
-    Returns `[B, max_new_tokens]` int32. `temperature` 0 is greedy (and needs no `rng`;
-    sampling without one is a ValueError); `top_k`
-    keeps the k most likely tokens. Compiled once per (model, B, P,
-    max_new_tokens, top_k): new prompts, rngs and temperatures reuse it.
-    Lengths are static, so `check_generate_args` checks them before anything
-    runs (decoding past `model.config.max_len` is a ValueError).
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    return_logprobs: bool = False,
+) -> Any:
+    """Samples `max_new_tokens` tokens after each row of `prompt`: `qkv_jax.generation.generate`
+    (a `[B, P]` array returns `[B, max_new_tokens]` int32; a list of rows of different lengths, a
+    list). `temperature` 0 is greedy (and needs no `rng`; sampling without one is a ValueError).
     """
-    prompt = checked_prompt(model, prompt, max_new_tokens, temperature, top_k)
-    rng = decoding_key(rng, temperature, "generate")
-    return _compiled_sample_tokens(
-        model, params, prompt, rng, jnp.float32(temperature), max_new_tokens=max_new_tokens, top_k=top_k
+    return generation.generate(
+        model,
+        params,
+        prompt,
+        max_new_tokens,
+        rng=rng,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        return_logprobs=return_logprobs,
     )

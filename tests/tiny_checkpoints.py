@@ -121,3 +121,12 @@ def greedy(directory: str | pathlib.Path, ids: np.ndarray, new_tokens: int) -> l
     with torch.no_grad():
         out = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
     return out[0, len(ids) :].tolist()
+
+
+def until_end_of_text(directory: str | pathlib.Path, tokens: list[int]) -> list[int]:
+    """`tokens` up to and including the first end-of-text id of `directory`'s config.json (where
+    the command line's decoding stops)."""
+    import json
+
+    eos = json.loads((pathlib.Path(directory) / "config.json").read_text()).get("eos_token_id")
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens

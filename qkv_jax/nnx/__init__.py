@@ -10,7 +10,7 @@
                       is_causal, scale, the attention implementation, LoRA.
   TransformerBlock, TransformerLM  the linen `qkv_jax.lm` model from the same
                       `TransformerConfig`, with `init_cache` and decoding.
-  generate            prompt -> sampled tokens for the nnx `TransformerLM`.
+  generate            prompts -> new tokens for the nnx `TransformerLM` (`qkv_jax.generation`).
   linen_to_nnx, nnx_to_linen  parameters (and decode caches) between the linen
                       modules' variables and these modules, both ways.
   flax_dot_product_attention  the default `attention_fn` (flax's signature,

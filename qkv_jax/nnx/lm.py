@@ -2,7 +2,7 @@
 
 TransformerBlock, TransformerLM  the linen `qkv_jax.lm` model from the same
                     `TransformerConfig`, with `init_cache` and decoding.
-generate            prompt -> sampled tokens for the nnx `TransformerLM`.
+generate            prompts -> new tokens for the nnx `TransformerLM` (`qkv_jax.generation`).
 linen_to_nnx, nnx_to_linen  parameters (and decode caches) between the linen
                     modules' variables and these modules, both ways.
 """
@@ -10,14 +10,14 @@ linen_to_nnx, nnx_to_linen  parameters (and decode caches) between the linen
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qkv_jax import lm
+from qkv_jax import generation, lm
 from qkv_jax.nnx.attention import LoRALinearGeneral, MultiHeadAttention
 from qkv_jax.nnx.hooks import HookPoint, hooks_of
 from qkv_jax.nnx.norms import Norm
@@ -157,13 +157,14 @@ class TransformerLM(nnx.Module):
     def blocks(self) -> list[TransformerBlock]:
         return [getattr(self, f"block_{layer}") for layer in range(self.config.num_layers)]
 
-    def init_cache(self, batch_size: int, dtype: Dtype | None = None) -> None:
-        """A zeroed cache for `batch_size` sequences of up to `config.max_len` tokens, in `dtype`
-        (default: the computation dtype, else the parameters')."""
+    def init_cache(self, batch_size: int, dtype: Dtype | None = None, max_length: int | None = None) -> None:
+        """A zeroed cache for `batch_size` sequences of up to `max_length` tokens (None:
+        `config.max_len`), in `dtype` (default: the computation dtype, else the parameters')."""
         config = self.config
         dtype = dtype or config.dtype or config.param_dtype
+        length = max_length or config.max_len
         for block in self.blocks():
-            block.attention.init_cache((batch_size, config.max_len, config.d_model), dtype)
+            block.attention.init_cache((batch_size, length, config.d_model), dtype)
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
     def _layers(self) -> lm.LMLayers:
@@ -202,10 +203,11 @@ class TransformerLM(nnx.Module):
         return logits
 
 
-def _sample(graphdef, state, prompt, rng, temperature, max_new_tokens, top_k):
-    """`generate`'s traced body: a fresh cache, then `lm.sample_with_cache` over the nnx model."""
+def _decode(graphdef, state, inputs, prefill, out_width, cache_length, top_k):
+    """`generate`'s traced body: a fresh cache of `cache_length` positions, then
+    `generation.decode` over the nnx model. Returns (tokens, logprobs, count)."""
     model = nnx.merge(graphdef, state)
-    model.init_cache(prompt.shape[0])
+    model.init_cache(inputs.prompt.shape[0], max_length=cache_length)
     graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
 
     def step(cache, tokens):
@@ -213,10 +215,13 @@ def _sample(graphdef, state, prompt, rng, temperature, max_new_tokens, top_k):
         logits = decoder(tokens, decode=True)  # (B, T, V)
         return logits, nnx.state(decoder, nnx.Cache)
 
-    return lm.sample_with_cache(step, cache, prompt, rng, temperature, max_new_tokens, top_k)
+    final = generation.decode(step, cache, inputs, prefill, out_width, top_k)
+    return final.tokens, final.logprobs, final.produced
 
 
-_compiled_sample = jax.jit(_sample, static_argnames=("graphdef", "max_new_tokens", "top_k"))
+_compiled_decode = jax.jit(
+    _decode, static_argnames=("graphdef", "prefill", "out_width", "cache_length", "top_k")
+)
 
 
 def generate(
@@ -227,17 +232,20 @@ def generate(
     rng: Array | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
-) -> Array:
-    """`qkv_jax.lm.generate` for the nnx `TransformerLM`: `[B, max_new_tokens]` int32 tokens
-    after each row of `prompt` `[B, P]`, with the same checks and sampling
-    (`lm.checked_prompt`, `lm.sample_with_cache`). The model is not changed
-    (its own cache, if any, is left as it was)."""
-    prompt = lm.checked_prompt(model, prompt, max_new_tokens, temperature, top_k)
-    rng = lm.decoding_key(rng, temperature, "generate")
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    return_logprobs: bool = False,
+) -> Any:
+    """`qkv_jax.generation.generate` for the nnx `TransformerLM`: the same arguments but the
+    parameters (`prompt`: an array `[B, P]` or a list of 1-D rows), the same checks, buckets and
+    tokens. The model is not changed (its own cache, if any, is left as it was)."""
     graphdef, state = nnx.split(model)
-    return _compiled_sample(
-        graphdef, state, prompt, rng, jnp.float32(temperature), max_new_tokens=max_new_tokens, top_k=top_k
-    )
+
+    def run(inputs: Any, **static: Any) -> Any:
+        return _compiled_decode(graphdef, state, inputs, **static)
+
+    settings = dict(rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+    return generation.run_request(model, run, prompt, max_new_tokens, settings, return_logprobs)
 
 
 def _load(module: Any, tree: Mapping[str, Any], path: str, kind: type[nnx.Variable]) -> None:

@@ -70,18 +70,53 @@ def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
     assert result.returncode == 0, result.stderr
     left = 64 - len(ids) + 1  # the last new token needs no position of its own
     notice = f"warning: --max_new_tokens={left}, not 200: the positions the model's max_len=64 leaves after"
-    assert error_lines(result) == ([f"{notice} the prompt's {len(ids)} tokens"] if not length else [])
+    notices = [line for line in error_lines(result) if not line.startswith("speed: ")]
+    assert notices == ([f"{notice} the prompt's {len(ids)} tokens"] if not length else [])
     lines = result.stdout.splitlines()
     assert lines[0] == f"--- sample 0 ({directory}, temperature 0.0)"
     samples = [
         [int(t) for t in line.split(": ", 1)[1].split()] for line in lines if line.startswith("token ids")
     ]
-    expected = tiny_checkpoints.greedy(directory, ids, 12 if length else left)
+    greedy = tiny_checkpoints.greedy(directory, ids, 12 if length else left)
+    expected = tiny_checkpoints.until_end_of_text(directory, greedy)
     assert samples == [expected, expected]
     assert len(set(expected)) > 2  # a continuation, not one token repeated
     text = tokenizer(directory).decode(np.concatenate([ids, expected]))
     first_ids = next(i for i, line in enumerate(lines) if line.startswith("token ids"))
     assert "\n".join(lines[1:first_ids]) == text
+
+
+@pytest.mark.slow
+def test_generate_streams_and_stops_at_the_directorys_end_of_text(checkpoints, tmp_path):
+    """The end-of-text id of generation_config.json (here the greedy continuation's third token)
+    ends the sample there; the heading comes out before the decoding ends, and a line on stderr
+    gives the time to the first token and the tokens per second."""
+    directory = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], directory)
+    ids = tokenizer(directory).encode(CONTINUED["llama"])
+    greedy = tiny_checkpoints.greedy(directory, ids, 12)
+    end = greedy[2]
+    assert end not in greedy[:2]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, 0]}))
+    args = ["--pretrained", str(directory), "--prompt", CONTINUED["llama"], "--temperature", "0"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "experiments.generate", cache_flag(), *args, "--print_token_ids"],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        heading = process.stdout.readline()
+        running_after_heading = process.poll() is None
+        rest, errors = process.communicate(timeout=300)
+    assert process.returncode == 0, errors
+    assert heading == f"--- sample 0 ({directory}, temperature 0.0)\n" and running_after_heading
+    assert rest.splitlines()[-1] == "token ids: " + " ".join(map(str, greedy[:3]))
+    text = "\n".join(rest.splitlines()[:-1])
+    assert text == tokenizer(directory).decode(np.concatenate([ids, greedy[:3]]))
+    speed = [line for line in errors.splitlines() if line.startswith("speed: ")]
+    assert len(speed) == 1 and "first new token" in speed[0] and "tokens/s" in speed[0]
 
 
 @pytest.mark.slow

@@ -433,7 +433,8 @@ def test_mha_converted_to_gqa_uptrains_and_exports_with_the_new_kv_heads(sources
     )
     assert generated.returncode == 0, generated.stderr
     ids = tiny_checkpoints.tokenizer("llama").encode(PROMPT).ids
-    expected = tiny_checkpoints.greedy(tmp_path / "hf", np.asarray(ids), 12)
+    greedy = tiny_checkpoints.greedy(tmp_path / "hf", np.asarray(ids), 12)
+    expected = tiny_checkpoints.until_end_of_text(tmp_path / "hf", greedy)
     assert generated.stdout.splitlines()[-1] == "token ids: " + " ".join(map(str, expected))
     reported = launch("report", *prompt)
     assert reported.returncode == 0, reported.stderr
