@@ -22,7 +22,9 @@ second run of a command start without compiling. Prompts of lengths in one bucke
 (`qkv_jax.generation`) share a compiled program.
 
 Decodes with a KV cache sized to the request; the prompt and the new tokens must fit in the
-model's max_len positions.
+model's max_len positions. --mesh DATA,MODEL loads a Hugging Face checkpoint split over a
+(data, model) mesh of that many devices, the cache split as its K/V weights are
+(docs/scaling.md; --num_cpu_devices simulates devices on a CPU).
 
 A fine-tuning run's workdir (configs/pretrained_text.py: LoRA or full, GQA-converted too)
 reads as the directory `experiments.export` would write from it: the run's tokenizer.json,
@@ -69,6 +71,7 @@ flags.DEFINE_integer("num_samples", 1, "Independent samples.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seeds the sampling.", lower_bound=0)
 flags.DEFINE_bool("print_token_ids", False, "Print each sample's new token ids on a line of their own.")
 common.define_common_flags()
+common.define_mesh_flag()
 
 
 def fit_max_new_tokens(model, prompt_length: int) -> None:
@@ -231,8 +234,14 @@ def from_pretrained() -> None:
     fit_max_new_tokens(shape, prompt.shape[1])
     check(shape, prompt)
     common.enable_compilation_cache(FLAGS.compilation_cache)
+    common.initialize_devices()
+    mesh = common.mesh_from_flag()
+    if mesh is not None and FLAGS.workdir:
+        common.fail(
+            "--mesh: only with --pretrained (a fine-tuning run's workdir loads on one device)", code=2
+        )
     try:
-        model, params = load_params(FLAGS.pretrained)
+        model, params = load_params(FLAGS.pretrained, mesh=mesh)
     except ValueError as error:
         common.fail(str(error), code=2)
     text_of = lambda row: tokenizer.decode(np.concatenate([ids, row]))  # noqa: E731

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
 
 Array = jax.Array
 Step = Callable[[Any, Array], tuple[Array, Any]]
@@ -64,6 +65,8 @@ __all__ = [
     "advance",
     "decode",
     "zeroed_cache",
+    "mesh_of",
+    "placed",
     "decoding_key",
     "linen_step",
     "compiled_decode",
@@ -325,14 +328,34 @@ def decode(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int,
     return lax.while_loop(running, lambda s: advance(step, s, inputs, CHUNK_STEPS, top_k), state)
 
 
-def zeroed_cache(model: Any, batch_size: int, length: int) -> Any:
+def zeroed_cache(model: Any, batch_size: int, length: int, mesh: Mesh | None = None) -> Any:
     """The zeroed decode cache of a linen `TransformerLM` for `batch_size` rows of `length`
     positions, built from the shapes `model.init(..., decode=True)` would create, without
-    computing anything (`qkv_jax.lm.init_cache`)."""
+    computing anything (`qkv_jax.lm.init_cache`); on `mesh`, split as its K/V weights are
+    (`qkv_jax.sharding.cache_shardings`)."""
     tokens = jnp.zeros((batch_size, length), jnp.int32)
     init = functools.partial(model.init, decode=True)
     shapes = jax.eval_shape(init, jax.random.PRNGKey(0), tokens)["cache"]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), mesh)
+
+
+def mesh_of(params: Any) -> Mesh | None:
+    """The ("data", "model") mesh `params` are split over (`load_pretrained(mesh=...)`), else
+    None."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and set(sharding.mesh.axis_names) == {"data", "model"}:
+            return sharding.mesh if isinstance(sharding.mesh, Mesh) else None
+    return None
+
+
+def placed(cache: Any, mesh: Mesh | None) -> Any:
+    """A decode cache split over `mesh` as its K/V weights are (unchanged without one)."""
+    if mesh is None:
+        return cache
+    from qkv_jax.sharding import cache_shardings
+
+    return lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
 
 def decoding_key(rng: Array | None, temperature: float, owner: str) -> Array:
@@ -358,14 +381,14 @@ def linen_step(model: Any, params: Any) -> Step:
     return step
 
 
-def _decode_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
-    cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length)
+def _decode_linen(model, params, inputs, prefill, out_width, cache_length, top_k, mesh=None):
+    cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length, mesh)
     state = decode(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
     return state.tokens, state.logprobs, state.produced
 
 
 compiled_decode = jax.jit(
-    _decode_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "top_k")
+    _decode_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "top_k", "mesh")
 )
 
 
@@ -431,7 +454,7 @@ def generate(
     """
 
     def run(inputs: Inputs, **static: Any) -> tuple[Array, Array, Array]:
-        return compiled_decode(model, params, inputs, **static)
+        return compiled_decode(model, params, inputs, mesh=mesh_of(params), **static)
 
     settings = dict(rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     return run_request(model, run, prompts, max_new_tokens, settings, return_logprobs)
@@ -472,8 +495,8 @@ def run_request(
     return (tokens, logprobs) if return_logprobs else tokens
 
 
-def _start_linen(model, params, inputs, prefill, out_width, cache_length, top_k):
-    cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length)
+def _start_linen(model, params, inputs, prefill, out_width, cache_length, top_k, mesh=None):
+    cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length, mesh)
     return start(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
 
 
@@ -482,7 +505,7 @@ def _advance_linen(model, params, state, inputs, top_k):
 
 
 _compiled_start = jax.jit(
-    _start_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "top_k")
+    _start_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "top_k", "mesh")
 )
 _compiled_advance = jax.jit(_advance_linen, static_argnames=("model", "top_k"), donate_argnames="state")
 
@@ -497,7 +520,7 @@ def stream(model: Any, params: Any, prompts: Any, max_new_tokens: int, **setting
     request, inputs = checked_request(model, prompts, max_new_tokens, settings)
     top_k = settings["top_k"]
     static = dict(prefill=request.prefill, out_width=request.out_width, cache_length=request.cache_length)
-    state = _compiled_start(model, params, inputs, top_k=top_k, **static)
+    state = _compiled_start(model, params, inputs, top_k=top_k, mesh=mesh_of(params), **static)
     last = int(request.lengths.max()) + max_new_tokens - 1  # the last position a row needs
     while True:
         tokens, produced, done, position = jax.device_get(

@@ -133,8 +133,9 @@ CACHE_RULES: dict[tuple[str, int], tuple[str | None, ...]] = {
 def cache_spec(path: Any, shape: tuple[int, ...], axis_sizes: Mapping[str, int]) -> P:
     """The PartitionSpec of the decode-cache leaf at `path` of `shape` on a mesh of `axis_sizes`:
     batch over "data", K/V heads over "model", each where it divides; anything else whole."""
-    names = _names(path)
-    axes = CACHE_RULES.get((names[-1], len(shape))) if names else None
+    # The last "cached_*" name on the path: linen's cache ends there, nnx's State one step below.
+    name = next((n for n in reversed(_names(path)) if n.startswith("cached_")), None)
+    axes = CACHE_RULES.get((name, len(shape))) if name else None
     if axes is None:
         return P()
     spec = [

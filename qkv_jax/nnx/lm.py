@@ -203,12 +203,13 @@ class TransformerLM(nnx.Module):
         return logits
 
 
-def _decode(graphdef, state, inputs, prefill, out_width, cache_length, top_k):
+def _decode(graphdef, state, inputs, prefill, out_width, cache_length, top_k, mesh=None):
     """`generate`'s traced body: a fresh cache of `cache_length` positions, then
     `generation.decode` over the nnx model. Returns (tokens, logprobs, count)."""
     model = nnx.merge(graphdef, state)
     model.init_cache(inputs.prompt.shape[0], max_length=cache_length)
     graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)  # type: ignore[misc]
+    cache = generation.placed(cache, mesh)
 
     def step(cache, tokens):
         decoder = nnx.merge(graphdef, cache, rest)
@@ -220,7 +221,7 @@ def _decode(graphdef, state, inputs, prefill, out_width, cache_length, top_k):
 
 
 _compiled_decode = jax.jit(
-    _decode, static_argnames=("graphdef", "prefill", "out_width", "cache_length", "top_k")
+    _decode, static_argnames=("graphdef", "prefill", "out_width", "cache_length", "top_k", "mesh")
 )
 
 
@@ -242,7 +243,7 @@ def generate(
     graphdef, state = nnx.split(model)
 
     def run(inputs: Any, **static: Any) -> Any:
-        return _compiled_decode(graphdef, state, inputs, **static)
+        return _compiled_decode(graphdef, state, inputs, mesh=generation.mesh_of(state), **static)
 
     settings = dict(rng=rng, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     return generation.run_request(model, run, prompt, max_new_tokens, settings, return_logprobs)

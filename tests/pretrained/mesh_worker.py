@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from qkv_jax import lm  # noqa: E402
+from qkv_jax import generation, lm  # noqa: E402
 from qkv_jax.finetune import convert_kv_heads  # noqa: E402
 from qkv_jax.interpretability import patching_sweep, run_with_cache  # noqa: E402
 from qkv_jax.pretrained.io import load_pretrained  # noqa: E402
@@ -126,6 +126,12 @@ def run(directory, mesh, tokens, adapters, workflows):
     if "generate" in workflows:
         prompt = np.asarray(tokens)[:, :PROMPT]
         results["greedy"] = np.asarray(lm.generate(model, params, prompt, NEW, temperature=0.0))
+        if mesh is not None:  # the decode cache generate makes on the mesh the params are on
+            placed = jax.jit(lambda: generation.zeroed_cache(model, BATCH, 16, generation.mesh_of(params)))()
+            key = placed["block_0"]["attention"]["cached_key"]
+            cache_specs["decode:cached_key"] = [
+                str(a) for a in (*key.sharding.spec, *[None] * (4 - len(key.sharding.spec)))
+            ]
     return results, placement, cache_specs
 
 

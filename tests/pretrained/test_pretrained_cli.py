@@ -58,13 +58,22 @@ def tokenizer(directory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind):
+@pytest.mark.parametrize(
+    "kind,mesh",
+    [
+        ("llama", ()),
+        ("gpt2", ()),
+        # Loaded onto a (2, 2) mesh of 4 simulated devices: the same tokens.
+        ("llama", ("--mesh=2,2", "--num_cpu_devices=4")),
+    ],
+    ids=["llama", "gpt2", "llama-mesh"],
+)
+def test_generate_at_temperature_zero_is_transformers_greedy(checkpoints, kind, mesh):
     """The greedy tokens; the Llama (64 positions, as docs/pretrained.md's stand-in) without
     --max_new_tokens: 200 clipped to the positions left after the prompt, with a one-line notice."""
     directory = checkpoints[kind]
     ids = tokenizer(directory).encode(CONTINUED[kind])
-    args = ["--pretrained", str(directory), "--prompt", CONTINUED[kind], "--temperature", "0"]
+    args = ["--pretrained", str(directory), "--prompt", CONTINUED[kind], "--temperature", "0", *mesh]
     length = ["--max_new_tokens", "12"] if kind == "gpt2" else []
     result = launch("generate", *args, *length, "--num_samples", "2", "--print_token_ids")
     assert result.returncode == 0, result.stderr

@@ -219,6 +219,9 @@ def check_cached_activations_stay_split_over_the_batch_and_heads(mesh_results):
             assert specs["blocks.0.attn.hook_pattern"][1] == "model"
     llama_k = mesh_results["llama"]["2x4"]["cache_specs"]["blocks.0.attn.hook_k"]
     assert llama_k == ["data", "None", "None", "None"]  # 2 K/V heads, a model axis of 4
+    # generate's decode cache follows the K/V weights: the batch over data, 2 K/V heads replicated
+    decode = mesh_results["llama"]["2x4"]["cache_specs"]["decode:cached_key"]
+    assert decode == ["data", "None", "None", "None"]
 
 
 @pytest.mark.parametrize(
