@@ -95,7 +95,7 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
     and `dtype`; each distinct block this process's devices hold is read once. Returns at
     once: the transfers and conversions run on while the caller reads the next tensor."""
     shape = tuple(value.shape)
-    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    on_mesh = isinstance(sharding, NamedSharding)
     arrays, convert = [], None  # convert: (layout, heads), alike for every block of a tensor
     for bounds, devices in _blocks(shape, sharding).items():
         block, layout, heads = _read(value, tuple(slice(start, stop) for start, stop in bounds))
@@ -104,16 +104,17 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
             layout = "copy"
         if layout != "copy" or block.dtype != dtype:
             convert = (layout, heads)
-            block = block if mesh is None else block[None]  # (1, *block): its row of the stack
+            block = block[None] if on_mesh else block  # (1, *block): its row of the stack
         for device in devices:  # a CPU keeps an aligned block without a copy
             arrays.append(jax.device_put(block, device, may_alias=True))
         del block  # the transfers hold it until they are done
-    if convert is not None and mesh is None:
-        return _convert(arrays[0], layout=convert[0], heads=convert[1], dtype=np.dtype(dtype))
-    if convert is not None and mesh is not None:
-        every = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-        stacked = jax.make_array_from_single_device_arrays((mesh.size, *arrays[0].shape[1:]), every, arrays)
+    if convert is not None and isinstance(sharding, NamedSharding):
+        every = NamedSharding(sharding.mesh, P(tuple(sharding.mesh.axis_names)))
+        stacked_shape = (sharding.mesh.size, *arrays[0].shape[1:])
+        stacked = jax.make_array_from_single_device_arrays(stacked_shape, every, arrays)
         return _convert_on_mesh(stacked, convert[0], convert[1], np.dtype(dtype), sharding)
+    if convert is not None:
+        return _convert(arrays[0], layout=convert[0], heads=convert[1], dtype=np.dtype(dtype))
     if isinstance(sharding, SingleDeviceSharding):
         return arrays[0]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
