@@ -256,8 +256,8 @@ def load_pretrained(
     model.safetensors.index.json names. `dtype` (None: the checkpoint's own, so bfloat16
     stays bfloat16) is the parameters' dtype and the config's `param_dtype` and `dtype`.
     With `mesh` (a `jax.sharding.Mesh` with axes "data" and "model") the parameters are global
-    jax.Arrays split by `qkv_jax.sharding.PARTITION_RULES`: each process reads only the slices
-    its devices hold, one tensor at a time (under `jax.distributed` too).
+    jax.Arrays split by `qkv_jax.sharding.PARTITION_RULES`: each process reads only the rows
+    its devices' blocks span, two tensors at a time (under `jax.distributed` too).
 
     Raises ValueError naming the field and its value for a config.json field qkv_jax does not
     compute (a model_type without a family, a mixture of experts, an unread field, a RoPE
