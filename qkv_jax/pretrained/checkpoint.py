@@ -239,23 +239,21 @@ class TensorSource:
         self.recent.append(name)
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The block `index` (one slice per axis) of tensor `name`, reading only its bytes: a
-        block of whole rows (the whole tensor included) is one range of the file, read into
-        memory aligned for JAX to use without another copy (`read_rows`); any other block
-        through safetensors' `get_slice`."""
-        path = self._where(name)
+        """The block `index` (one slice per axis) of tensor `name`: a block of whole rows (the
+        whole tensor included) is one range of the file, read into memory aligned for JAX to
+        use without another copy (`read_rows`); any other block is read as the whole rows it
+        spans (one range, no page faults of a memory map) and its columns copied out."""
         stored = self.shape(name)
         if all(
             (s.start or 0) == 0 and s.stop in (None, n) for s, n in zip(index[1:], stored[1:], strict=True)
         ):
             rows = index[0].indices(stored[0])[:2] if stored else (0, 1)
             return self.read_rows(name, *rows)
-        if path not in self._handles:
-            self._handles[path] = _open(path).__enter__()
-        try:
-            return self._handles[path].get_slice(name)[index]
-        except Exception as err:
-            raise PretrainedError(f"{path}: tensor {name!r} cannot be read ({err})") from None
+        spanned = self.read_rows(name, *index[0].indices(stored[0])[:2])  # whole rows: one range
+        part = spanned[(slice(None), *index[1:])]  # (rows, the block's columns)
+        block = _aligned_buffer(part.nbytes).view(part.dtype).reshape(part.shape)
+        block[...] = part
+        return block
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` of tensor `name` (a 0-d tensor: 0, 1), read with `os.preadv` into a

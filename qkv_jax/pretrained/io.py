@@ -15,6 +15,8 @@ the family does not read is refused as unexpected. Nothing is written to `direct
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import pathlib
 from collections.abc import Iterator
@@ -120,6 +122,11 @@ def _param_dtype(tensors: TensorSource, dtype: Any) -> np.dtype:
     return max(floating, key=lambda d: floating[d])
 
 
+# Tensors read, transferred and converted at once, each in a thread of its own: one is read
+# (os.preadv releases the GIL) while the one before converts.
+IN_FLIGHT = 2
+
+
 def parameter_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """{"block_0/attention/query/kernel": shape, ...} of a TransformerLM of `config`, traced
     without computing (or allocating) anything."""
@@ -173,33 +180,51 @@ def read_params(
 ) -> dict[str, Any]:
     """The linen params of `config` from `tensors` through `family.from_hf`, each array checked
     against the model's shape, then placed (`placement.place`: on the default device, or split
-    over `mesh` by `qkv_jax.sharding`'s rules) in `dtype` before the next tensor is read."""
+    over `mesh` by `qkv_jax.sharding`'s rules) in `dtype`, `IN_FLIGHT` tensors at once."""
     expected = parameter_shapes(config)
     params: dict[str, Any] = {}
     placed: set[str] = set()
-    in_flight: jax.Array | None = None
-    for path, array in _family_arrays(family, config, tensors):
-        shape = tuple(array.shape)
-        if path in placed:
-            raise PretrainedError(f"{_source_of(tensors)}: gives {path} a second time")
-        if path not in expected:
-            raise PretrainedError(
-                f"{_source_of(tensors)}: gives {path}, which the config's model does not have"
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        in_flight: collections.deque = collections.deque()  # (path, its placement), oldest first
+        for path, array in _family_arrays(family, config, tensors):
+            _check_shape(tensors, expected, placed, path, tuple(array.shape))
+            in_flight.append(
+                (path, pool.submit(place, array, sharding_of(path, tuple(array.shape), mesh), dtype))
             )
-        if shape != expected[path]:
-            raise PretrainedError(
-                f"{_source_of(tensors)}: gives {path} of shape {shape}; the config "
-                f"({tensors.directory / 'config.json'}) gives {expected[path]}"
-            )
-        leaf = place(array, sharding_of(path, shape, mesh), dtype)
-        _place(params, path, leaf)
-        placed.add(path)
-        if in_flight is not None:  # one tensor converts on the devices while the next is read
-            in_flight.block_until_ready()
-        in_flight = leaf
-        del array
-    if in_flight is not None:
-        in_flight.block_until_ready()
+            placed.add(path)
+            del array
+            while len(in_flight) >= IN_FLIGHT or (in_flight and in_flight[0][1].done()):
+                _settle(params, *in_flight.popleft())
+        while in_flight:
+            _settle(params, *in_flight.popleft())
+    _check_complete(family, config, tensors, expected, placed)
+    return params
+
+
+def _settle(params: dict[str, Any], path: str, placing: concurrent.futures.Future) -> None:
+    """A placement's array, once its transfers and conversion are done, into `params`."""
+    _place(params, path, placing.result().block_until_ready())
+
+
+def _check_shape(
+    tensors: TensorSource, expected: dict[str, tuple[int, ...]], placed: set[str], path: str, shape: tuple
+) -> None:
+    """PretrainedError unless the family's `path` is a new parameter of the model's shape."""
+    if path in placed:
+        raise PretrainedError(f"{_source_of(tensors)}: gives {path} a second time")
+    if path not in expected:
+        raise PretrainedError(f"{_source_of(tensors)}: gives {path}, which the config's model does not have")
+    if shape != expected[path]:
+        raise PretrainedError(
+            f"{_source_of(tensors)}: gives {path} of shape {shape}; the config "
+            f"({tensors.directory / 'config.json'}) gives {expected[path]}"
+        )
+
+
+def _check_complete(
+    family: ModuleType, config: TransformerConfig, tensors: TensorSource, expected: dict, placed: set[str]
+) -> None:
+    """PretrainedError naming the model's parameters no tensor gave, or the tensors left unread."""
     missing = sorted(set(expected) - placed)
     if missing:
         raise PretrainedError(
@@ -214,7 +239,6 @@ def read_params(
             + (f" (and {len(unread) - 1} more)" if len(unread) > 1 else "")
             + f", which the {config_name(family)} mapping does not read"
         )
-    return params
 
 
 def config_name(family: ModuleType) -> str:
@@ -232,8 +256,8 @@ def load_pretrained(
     model.safetensors.index.json names. `dtype` (None: the checkpoint's own, so bfloat16
     stays bfloat16) is the parameters' dtype and the config's `param_dtype` and `dtype`.
     With `mesh` (a `jax.sharding.Mesh` with axes "data" and "model") the parameters are global
-    jax.Arrays split by `qkv_jax.sharding.PARTITION_RULES`: each process reads only the slices
-    its devices hold, one tensor at a time (under `jax.distributed` too).
+    jax.Arrays split by `qkv_jax.sharding.PARTITION_RULES`: each process reads only the rows
+    its devices' blocks span, two tensors at a time (under `jax.distributed` too).
 
     Raises ValueError naming the field and its value for a config.json field qkv_jax does not
     compute (a model_type without a family, a mixture of experts, an unread field, a RoPE

@@ -36,11 +36,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from qkv_jax import generation, lm  # noqa: E402
 from qkv_jax.finetune import convert_kv_heads  # noqa: E402
 from qkv_jax.interpretability import patching_sweep, run_with_cache  # noqa: E402
+from qkv_jax.pretrained import placement as placing  # noqa: E402
 from qkv_jax.pretrained.io import load_pretrained  # noqa: E402
 from qkv_jax.training.sharding import make_mesh  # noqa: E402
 
 BATCH, T, PROMPT, NEW = 8, 12, 4, 6
 compile_once = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+SMALL_ON_DEVICE = placing.ON_DEVICE_BYTES
 
 
 def with_adapters(params, adapters):
@@ -89,7 +93,10 @@ def computations(config):
 
 def run(directory, mesh, tokens, adapters, workflows):
     """The results of `workflows` after one load (mesh None: one device), and where the
-    parameters and the cached activations live."""
+    parameters and the cached activations live. On a family's own mesh every tensor takes the
+    large-tensor path (converted on the devices by one program), whose results must equal the
+    one-device load's (small tensors converted by numpy)."""
+    placing.ON_DEVICE_BYTES = 0 if mesh is not None and workflows else SMALL_ON_DEVICE
     config, params = load_pretrained(directory, mesh=mesh)
     placement = {
         "/".join(str(k.key) for k in path): {

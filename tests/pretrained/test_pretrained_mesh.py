@@ -280,30 +280,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_each_hold_their_share_and_compute_one_process_logits(checkpoints, tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed over gloo), Llama on a (2, 4) mesh: each
-    process holds only its own devices' blocks (half of every matrix split over "data"), the
-    logits equal one process's, and save_pretrained from the global arrays writes a directory
-    transformers loads to the same logits; a mesh over some of each process's devices is one
-    ValueError line."""
-    directory = checkpoints["llama"]
-    tokens = np.random.default_rng(1).integers(0, 64, (4, 10))
+def two_processes(spec: dict, timeout: float) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """two_process_worker.py as processes 0 and 1 of one jax.distributed job: (the processes,
+    their (stdout, stderr)); both killed if they outlive `timeout` seconds."""
     port = free_port()
     processes = [
         subprocess.Popen(
             [
                 sys.executable,
                 str(ROOT / "tests" / "pretrained" / "two_process_worker.py"),
-                json.dumps(
-                    {
-                        "coordinator": f"127.0.0.1:{port}",
-                        "process": i,
-                        "directory": str(directory),
-                        "tokens": tokens.tolist(),
-                        "out": str(tmp_path),
-                    }
-                ),
+                json.dumps({**spec, "coordinator": f"127.0.0.1:{port}", "process": i}),
             ],
             cwd=ROOT,
             env=launcher_env(),
@@ -314,12 +300,26 @@ def test_two_processes_each_hold_their_share_and_compute_one_process_logits(chec
         for i in range(2)
     ]
     try:
-        outputs = [p.communicate(timeout=600) for p in processes]
+        outputs = [p.communicate(timeout=timeout) for p in processes]
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return processes, outputs
+
+
+@pytest.mark.slow
+def test_two_processes_each_hold_their_share_and_compute_one_process_logits(checkpoints, tmp_path):
+    """2 processes x 4 CPU devices (jax.distributed over gloo), Llama on a (2, 4) mesh: each
+    process holds only its own devices' blocks (half of every matrix split over "data"), the
+    logits equal one process's, and save_pretrained from the global arrays writes a directory
+    transformers loads to the same logits; a mesh over some of each process's devices is one
+    ValueError line."""
+    directory = checkpoints["llama"]
+    tokens = np.random.default_rng(1).integers(0, 64, (4, 10))
+    spec = {"directory": str(directory), "tokens": tokens.tolist(), "out": str(tmp_path)}
+    processes, outputs = two_processes(spec, timeout=600)
     for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     results = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
@@ -345,3 +345,16 @@ def test_two_processes_each_hold_their_share_and_compute_one_process_logits(chec
     with torch.no_grad():
         exported = saved.float()(torch.as_tensor(tokens)).logits.numpy()
     assert np.max(np.abs(exported - ours)) <= TOLERANCE * np.max(np.abs(ours))
+
+
+@pytest.mark.slow
+def test_a_process_dying_during_a_load_stops_the_other_without_a_hang(checkpoints):
+    """Process 1 dies at its first tensor; process 0 finishes its own load (a load exchanges
+    nothing), then stops at its next collective once the coordination service misses process
+    1's heartbeats (3 s here), ended by JAX rather than waiting for ever."""
+    spec = {"directory": str(checkpoints["llama"]), "dies": 1, "heartbeat_seconds": 3}
+    (survivor, dead), ((out, err), _) = two_processes(spec, timeout=90)
+    assert dead.returncode == 3
+    assert "loaded" in out.splitlines(), err[-3000:]
+    assert survivor.returncode != 0
+    assert "JAX distributed service detected fatal errors" in err, err[-3000:]

@@ -7,9 +7,12 @@ of all 8 (a subprocess of tests/pretrained/test_pretrained_mesh.py).
 Writes `out`/process_{i}.json: per parameter, the processes owning its shards on this process and
 the bytes this process holds; process 0 also the logits (gathered) and the directory that
 `save_pretrained` wrote from the global arrays (every process gathering each tensor with it).
+With "dies": PROCESS, that process dies at its first tensor and the other prints "loaded" after
+its own load, then waits at a collective.
 """
 
 import json
+import os
 import pathlib
 import sys
 
@@ -19,7 +22,10 @@ spec = json.loads(sys.argv[1])
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
-    coordinator_address=spec["coordinator"], num_processes=2, process_id=spec["process"]
+    coordinator_address=spec["coordinator"],
+    num_processes=2,
+    process_id=spec["process"],
+    heartbeat_timeout_seconds=spec.get("heartbeat_seconds", 100),
 )
 
 import numpy as np  # noqa: E402
@@ -28,10 +34,18 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from qkv_jax import lm, load_pretrained, save_pretrained  # noqa: E402
+from qkv_jax.pretrained import io as pretrained_io  # noqa: E402
 from qkv_jax.training.sharding import make_mesh  # noqa: E402
 
-out = pathlib.Path(spec["out"])
 mesh = make_mesh(2, 4)
+if "dies" in spec:  # that process dies at its first tensor; the other loads, then meets a collective
+    if spec["process"] == spec["dies"]:
+        pretrained_io.place = lambda *args: os._exit(3)
+    load_pretrained(spec["directory"], mesh=mesh)
+    print("loaded", flush=True)
+    multihost_utils.process_allgather(np.zeros(1))
+    sys.exit(0)
+out = pathlib.Path(spec["out"])
 config, params = load_pretrained(spec["directory"], mesh=mesh)
 held = {}
 for path, leaf in jax.tree_util.tree_leaves_with_path(params):
