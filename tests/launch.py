@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import socket
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -25,3 +27,32 @@ def cache_flag() -> str:
     """The launchers' --compilation_cache pointed at the test session's cache (conftest's
     `compilation_cache` fixture); empty (off) outside a test session."""
     return "--compilation_cache=" + os.environ.get("QKV_JAX_TEST_COMPILATION_CACHE", "")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (a jax.distributed coordinator's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_together(
+    commands: list[list[str]], timeout: float
+) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """Every command started at once from the repository root with `launcher_env` (the processes
+    of one jax.distributed job), then waited for: (the processes, their (stdout, stderr)). Any
+    still running after `timeout` seconds is killed."""
+    processes = [
+        subprocess.Popen(
+            command, cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command in commands
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return processes, outputs

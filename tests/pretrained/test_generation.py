@@ -23,6 +23,7 @@ import torch
 import transformers
 from flax import nnx
 from scipy import stats
+from test_pretrained_families import CASES as FAMILIES
 from transformers.generation import logits_process
 
 import qkv_jax.nnx
@@ -44,24 +45,7 @@ CASES = {
             rope_parameters=dict(rope_type="default", rope_theta=100.0),
         ),
     ),
-    "gemma2": (
-        transformers.Gemma2Config,
-        dict(
-            COMMON,
-            hidden_size=24,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=40,
-            query_pre_attn_scalar=12,
-            sliding_window=4,
-            attn_logit_softcapping=3.0,
-            final_logit_softcapping=4.0,
-            tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="default", rope_theta=100.0),
-        ),
-    ),
+    "gemma2": FAMILIES["gemma2"],  # windows of 4, soft caps, sandwich norms
     "gpt2": (
         transformers.GPT2Config,
         dict(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, n_inner=24),

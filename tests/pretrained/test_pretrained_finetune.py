@@ -7,7 +7,6 @@ import dataclasses
 import json
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import tiny_checkpoints
 from in_process import launch_train
-from launch import cache_flag, launcher_env
+from launch import cache_flag, free_port, launcher_env, run_together
 from page_payload import page_payload
 
 from qkv_jax import load_pretrained
@@ -326,12 +325,6 @@ def test_lora_fine_tune_exports_to_transformers_with_the_merged_logits(kind, sou
         assert_read_in_place_as_exported(workdir, tmp_path / "hf", tmp_path / "reports")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_lora_fine_tune_on_two_processes_ends_at_the_one_device_loss(sources, tmp_path):
     """The launcher on 2 processes x 2 CPU devices (jax.distributed over gloo), a (2, 2) mesh,
@@ -345,33 +338,13 @@ def test_lora_fine_tune_on_two_processes_ends_at_the_one_device_loss(sources, tm
         [f"--config.train.init_from={directories['llama']}", f"--config.data.path={text}"],
     )
     mesh = ["--config.mesh.data=2", "--config.mesh.model=2", "--config.model.lora_rank=4", *SMALL, *args]
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "experiments.train",
-                cache_flag(),
-                "--config",
-                "configs/pretrained_text.py",
-            ]
-            + ["--workdir", str(tmp_path / "two"), "--num_cpu_devices=2", f"--coordinator=127.0.0.1:{port}"]
-            + ["--num_processes=2", f"--process_id={i}", *mesh],
-            cwd=ROOT,
-            env=launcher_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    commands = [
+        [sys.executable, "-m", "experiments.train", cache_flag(), "--config", "configs/pretrained_text.py"]
+        + ["--workdir", str(tmp_path / "two"), "--num_cpu_devices=2", f"--coordinator=127.0.0.1:{port}"]
+        + ["--num_processes=2", f"--process_id={i}", *mesh]
         for i in range(2)
     ]
-    try:
-        outputs = [p.communicate(timeout=600) for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    processes, outputs = run_together(commands, 600)
     for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     losses = {

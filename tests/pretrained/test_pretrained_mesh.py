@@ -18,7 +18,6 @@ and (1, 8) and onto one device:
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -28,7 +27,7 @@ import pytest
 import torch
 import transformers
 from jax.sharding import PartitionSpec as P
-from launch import launcher_env
+from launch import free_port, launcher_env, run_together
 
 from qkv_jax import lm, load_pretrained
 
@@ -274,38 +273,16 @@ def test_the_decode_cache_follows_its_kv_weights(kv, latent, sizes, expected):
     assert all(spec == P() for name, spec in specs.items() if "cache_index" in name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_processes(spec: dict, timeout: float) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
     """two_process_worker.py as processes 0 and 1 of one jax.distributed job: (the processes,
     their (stdout, stderr)); both killed if they outlive `timeout` seconds."""
     port = free_port()
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "pretrained" / "two_process_worker.py"),
-                json.dumps({**spec, "coordinator": f"127.0.0.1:{port}", "process": i}),
-            ],
-            cwd=ROOT,
-            env=launcher_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    worker = str(ROOT / "tests" / "pretrained" / "two_process_worker.py")
+    commands = [
+        [sys.executable, worker, json.dumps({**spec, "coordinator": f"127.0.0.1:{port}", "process": i})]
         for i in range(2)
     ]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    processes, outputs = run_together(commands, timeout)
     return processes, outputs
 
 

@@ -20,12 +20,11 @@ import os
 import pathlib
 import re
 import shlex
-import socket
 import subprocess
 import sys
 
 import pytest
-from launch import cache_flag, launcher_env
+from launch import cache_flag, free_port, launcher_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -94,12 +93,6 @@ def run_bash(script, env):
         ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, (script, result.stderr[-3000:])
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

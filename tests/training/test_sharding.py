@@ -3,14 +3,13 @@
 import json
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from launch import cache_flag, launcher_env
+from launch import cache_flag, free_port, launcher_env, run_together
 from saved_state import final_state
 
 from configs import flag_retrieval
@@ -183,12 +182,6 @@ def test_resume_from_eight_devices_onto_one(tmp_path, mesh_runs):
     assert_same_run(mesh_runs / "1x1", workdir, config_with())
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path, mesh_runs):
     """2 processes x 2 devices on 127.0.0.1, through the real command line."""
@@ -198,37 +191,13 @@ def test_two_processes_match_one(tmp_path, mesh_runs):
         "--config.mesh.model=2",
         cache_flag(),
     ]
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "experiments.train",
-                "--config",
-                "configs/flag_retrieval.py:multihead",
-                "--workdir",
-                str(tmp_path / "two"),
-                "--num_cpu_devices=2",
-                f"--coordinator=127.0.0.1:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-                *args,
-            ],
-            cwd=ROOT,
-            env=launcher_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    commands = [
+        [sys.executable, "-m", "experiments.train", "--config", "configs/flag_retrieval.py:multihead"]
+        + ["--workdir", str(tmp_path / "two"), "--num_cpu_devices=2", f"--coordinator=127.0.0.1:{port}"]
+        + ["--num_processes=2", f"--process_id={i}", *args]
         for i in range(2)
     ]
-    try:
-        outputs = [p.communicate(timeout=600) for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    processes, outputs = run_together(commands, 600)
     for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert "eval_accuracy" in outputs[0][0] and "eval_accuracy" not in outputs[1][0]  # process 0 reports
