@@ -706,7 +706,41 @@ def generate_main(args, directory: pathlib.Path, agreement: dict) -> None:
                 print("generate", batch, case, f"{result['seconds']:.2f} s", flush=True)
                 runs[batch][case].append(result)
     load = {"before": started, "after": os.getloadavg()}
-    report_generate(args, runs, agreement, load, command_line_first_token())
+    report_generate(args, runs, agreement, load, command_line_first_token(), weights_floor(directory))
+
+
+def weights_floor(directory: pathlib.Path) -> dict:
+    """The floor a decode step has on this machine: every weight read once, in float32 (as both
+    libraries compute), at the rate a matrix-vector product streams a float32 matrix here
+    (`weight_stream_rate`)."""
+    import math
+
+    from safetensors import safe_open
+
+    numel = 0
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "np") as tensors:
+            numel += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return {"weight_bytes": 4 * numel, "bytes_per_s": weight_stream_rate()}
+
+
+def weight_stream_rate() -> float:
+    """Bytes/s at which a jitted `w @ x` reads a 2 GiB float32 matrix `w` (16384 x 32768) for
+    one vector `x`: a decode step's work per weight, on all cores; the median of 10 calls. An
+    elementwise `x + 1` measures XLA:CPU's arithmetic, not the memory, so it is not used here."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.ones((16384, 32768), jnp.float32)
+    x = jnp.ones((32768,), jnp.float32)
+    matvec = jax.jit(lambda w, x: w @ x)
+    matvec(w, x).block_until_ready()
+    times = []
+    for _ in range(10):
+        started = time.perf_counter()
+        matvec(w, x).block_until_ready()
+        times.append(time.perf_counter() - started)
+    return w.nbytes / statistics.median(times)
 
 
 def command_line_first_token() -> list[dict]:
@@ -742,8 +776,9 @@ def command_line_first_token() -> list[dict]:
     return runs
 
 
-def report_generate(args, runs: dict, agreement: dict, load: dict, cli: list[dict]) -> None:
+def report_generate(args, runs: dict, agreement: dict, load: dict, cli: list[dict], floor: dict) -> None:
     rows, ratios = [], {}
+    floor_s = GENERATE_NEW * floor["weight_bytes"] / floor["bytes_per_s"]  # one read per new token
     for batch, cases in runs.items():
         ours, theirs = (median([r["seconds"] for r in cases[c]]) for c in ("qkv_jax", "transformers"))
         firsts = [median([r["first_call_seconds"] for r in cases[c]]) for c in ("qkv_jax", "transformers")]
@@ -753,8 +788,11 @@ def report_generate(args, runs: dict, agreement: dict, load: dict, cli: list[dic
             f"| {firsts[1]:.2f} | {'yes' if same else 'no'} |"
         )
         ratios[f"qkv_jax / transformers time, batch {batch}"] = ours / theirs
+        ratios[f"qkv_jax / weights-read floor, batch {batch}"] = ours / floor_s
+        ratios[f"transformers / weights-read floor, batch {batch}"] = theirs / floor_s
     ratios["command line, second run: time to first token (s)"] = cli[1]["first_token_seconds"]
-    max_len = runs[next(iter(runs))]["qkv_jax"][-1]["last"]["max_len"]
+    first = next(iter(runs))  # the smallest batch asked for first
+    max_len = runs[first]["qkv_jax"][-1]["last"]["max_len"]
     table = [
         f"Greedy generation of {GENERATE_NEW} new tokens after {GENERATE_PROMPT}-token random prompts on a "
         f"random Qwen2.5-0.5B-shaped checkpoint written by transformers in {args.disk_dtype} ({args.layers} "
@@ -774,6 +812,13 @@ def report_generate(args, runs: dict, agreement: dict, load: dict, cli: list[dic
         "| transformers first call (s) | same tokens |",
         "|---|---|---|---|---|---|---|",
         *rows,
+        "",
+        f"The floor: reading the {floor['weight_bytes'] / 1e9:.2f} GB of float32 weights once per new token, "
+        f"at the {floor['bytes_per_s'] / 1e9:.1f} GB/s a matrix-vector product streams a 2 GiB float32 "
+        "matrix here, takes "
+        f"{floor_s:.2f} s for {GENERATE_NEW} tokens; at batch {first} qkv_jax takes "
+        f"{ratios[f'qkv_jax / weights-read floor, batch {first}']:.2f}x that and transformers "
+        f"{ratios[f'transformers / weights-read floor, batch {first}']:.2f}x.",
         "",
         "The command line (`python -m experiments.generate --pretrained DIR --prompt 'The keys' "
         "--temperature 0 --max_new_tokens 32`) on docs/pretrained.md's stand-in, a tiny Llama "
@@ -795,6 +840,7 @@ def report_generate(args, runs: dict, agreement: dict, load: dict, cli: list[dic
             "logits_agreement": agreement,
             "load_average": load,
             "command_line": cli,
+            "weights_floor": {**floor, "seconds": floor_s},
             "runs": {str(b): cases for b, cases in runs.items()},
         },
     )
