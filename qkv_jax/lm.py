@@ -95,7 +95,6 @@ __all__ = [
     "sample_logits",
     "sample_tokens",
     "check_generate_args",
-    "checked_prompt",
     "decode_positions",
     "sample_with_cache",
     "generate",
@@ -981,18 +980,6 @@ def check_generate_args(
         raise ValueError(f"generate: top_k={top_k!r} must be in [1, {model.config.vocab_size}] or None")
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(f"generate: temperature={temperature!r} must be finite and >= 0")
-
-
-def checked_prompt(
-    model: Any, prompt: Any, max_new_tokens: int, temperature: float, top_k: int | None
-) -> Array:
-    """`prompt` as int32 after `generate`'s checks (ValueError naming the bad value), for the
-    linen and the nnx `generate`."""
-    prompt = jnp.asarray(prompt)
-    if not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ValueError(f"generate: prompt must hold integer tokens, got dtype {prompt.dtype}")
-    check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
-    return prompt.astype(jnp.int32)
 
 
 def generate(
