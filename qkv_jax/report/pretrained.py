@@ -36,8 +36,6 @@ from qkv_jax.lm import TransformerLM
 from qkv_jax.pretrained.io import is_pretrained_directory, load_config, load_pretrained
 from qkv_jax.pretrained.tokenizer import PretrainedTokenizer, load_tokenizer
 from qkv_jax.report.circuits import PromptReader, check_prompt_length, read_patching_prompts
-from qkv_jax.report.explorer import write_run_page
-from qkv_jax.report.run import PageSource, page_data
 from qkv_jax.tasks import pretrained_text
 from qkv_jax.tasks.transformer import layer_attention
 from qkv_jax.training.setup import AttentionView
@@ -166,6 +164,16 @@ def _described(directory: pathlib.Path) -> tuple[dict, str, str]:
     return hf_config, f"{directory.resolve()}: the checkpoint's weights", note
 
 
+def prompt_reader(tokenizer: PretrainedTokenizer, model: TransformerLM) -> PromptReader:
+    """How the page reads prompts: `read_text` with the checkpoint's tokenizer, each token
+    labelled by its own text."""
+    return PromptReader(
+        lambda text, flag: read_text(tokenizer, model, text, flag),
+        lambda token: tokenizer.token_strings([token])[0],
+        PATCHING_COMMAND,
+    )
+
+
 def report_pretrained(
     directory: str | pathlib.Path,
     out: str | pathlib.Path,
@@ -180,13 +188,13 @@ def report_pretrained(
     prompt is read (ConfigError naming its flag) before a tensor is. `directory` is a Hugging
     Face directory or a fine-tuning run's workdir (`open_pretrained`); `mesh` (a ("data",
     "model") jax Mesh) loads a Hugging Face directory split over it."""
+    # The page's modules bring the trainer's (orbax, optax: 0.2 s); the readers above do without.
+    from qkv_jax.report.explorer import write_run_page
+    from qkv_jax.report.run import PageSource, page_data
+
     directory, out = pathlib.Path(directory), pathlib.Path(out)
     shape, tokenizer = open_pretrained(directory)  # the model's shape: positions and vocabulary
-    reader = PromptReader(
-        lambda text, flag: read_text(tokenizer, shape, text, flag),
-        lambda token: tokenizer.token_strings([token])[0],
-        PATCHING_COMMAND,
-    )
+    reader = prompt_reader(tokenizer, shape)
     ids, labels = reader.read(prompt, "--prompt")
     if patching is not None:
         read_patching_prompts(reader, patching)  # before any tensor is read

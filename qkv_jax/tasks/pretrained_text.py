@@ -47,7 +47,6 @@ from qkv_jax.pretrained.save import pick_family, save_pretrained
 from qkv_jax.pretrained.tokenizer import TOKENIZER_FILE, PretrainedTokenizer, load_tokenizer
 from qkv_jax.tasks.transformer import init_params, make_model, token_cross_entropy, training_logits
 from qkv_jax.training import validate
-from qkv_jax.training.checkpoints import NoCheckpointError, locate_run, read_params
 from qkv_jax.training.setup import Setup
 from qkv_jax.training.validate import ConfigError
 from qkv_jax.training.workdir import write_atomic, write_json
@@ -88,6 +87,8 @@ def source_directory(init_from: Any) -> pathlib.Path:
         )
     if is_pretrained_directory(init_from):
         return pathlib.Path(init_from)
+    from qkv_jax.training.checkpoints import NoCheckpointError, locate_run  # orbax: see read_merged
+
     try:
         workdir = locate_run(init_from).workdir
     except NoCheckpointError:
@@ -349,6 +350,10 @@ def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, in
     config, _ = read_run(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ (the run has not saved one yet)")
+    # Imported here: orbax costs about 0.2 s, which a checkpoint directory's readers
+    # (`is_run`, `read_run`) and the generate command line's first token do not pay.
+    from qkv_jax.training.checkpoints import NoCheckpointError, read_params
+
     try:
         saved = read_params(workdir)
     except NoCheckpointError as error:

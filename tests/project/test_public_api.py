@@ -63,11 +63,15 @@ def test_package_ships_py_typed():
     assert (pathlib.Path(qkv_jax.__file__).parent / "py.typed").is_file()
 
 
-def test_import_does_not_pull_in_plotting_checkpointing_or_training():
-    code = (
-        "import sys, qkv_jax; "
-        "print(sorted(m for m in ('matplotlib', 'orbax', 'optax', 'qkv_jax.training', 'torch') "
-        "if m in sys.modules))"
-    )
+@pytest.mark.parametrize(
+    "module, heavy",
+    [
+        ("qkv_jax", ("matplotlib", "orbax", "optax", "qkv_jax.training", "torch")),
+        # what the generate command line reads a checkpoint with: orbax and optax cost it 0.2 s
+        ("qkv_jax.report.pretrained", ("matplotlib", "orbax", "optax", "torch")),
+    ],
+)
+def test_import_does_not_pull_in_plotting_checkpointing_or_training(module, heavy):
+    code = f"import sys, {module}; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout
