@@ -95,10 +95,11 @@ def fit_max_new_tokens(model, prompt_length: int) -> None:
 
 def check(model, prompt) -> None:
     """`generate`'s checks of the flags (one line, exit 2), before anything is computed."""
-    from qkv_jax.lm import check_generate_args
+    from qkv_jax.generation import check_request
 
+    settings = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
     try:
-        check_generate_args(model, prompt.shape, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k)
+        check_request(model.config, prompt, FLAGS.max_new_tokens, settings)
     except ValueError as error:
         common.fail(str(error), code=2)
 

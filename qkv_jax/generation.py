@@ -13,6 +13,10 @@ the stopping rule and the decode loop, composed by `generate`.
   generate          prompts (a `[B, P]` array, or a list of 1-D sequences of different
                     lengths) -> new tokens, for a linen model and its params; `stream`
                     the same, yielding the tokens every few steps (the command line's).
+  sample            the traceable fixed-length loop (a `[B, P]` prompt, a cache of the
+                    model's `max_len`, no stopping rule) that training's samples and the
+                    activation capture run (`sample_with_cache` over any step function),
+                    drawing from `generate`'s keys.
   end_of_text_of    a Hugging Face directory's end-of-text ids (generation_config.json,
                     else config.json).
 
@@ -75,6 +79,10 @@ __all__ = [
     "checked_request",
     "run_request",
     "stream",
+    "check_request",
+    "row_keys",
+    "sample_with_cache",
+    "sample",
     "end_of_text_of",
 ]
 
@@ -266,8 +274,7 @@ def _record(state: DecodeState, logits: Array, inputs: Inputs, top_k: int | None
     """Chooses the token at `state.position + 1` from `logits` `[B, V]` (a prompt's own token while
     the position is inside it) and records it for the rows that are generating."""
     position = state.position + 1
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(inputs.row_keys, position)  # (B,)
-    sampled = choose(logits, keys, inputs.sampling, top_k)  # (B,)
+    sampled = choose(logits, _position_keys(inputs.row_keys, position), inputs.sampling, top_k)  # (B,)
     forced = jnp.take(inputs.prompt, jnp.minimum(position, inputs.prompt.shape[1] - 1), axis=1)  # (B,)
     token = jnp.where(position < inputs.lengths, forced, sampled)  # (B,)
     generating = (position >= inputs.lengths) & ~state.done  # (B,)
@@ -392,14 +399,24 @@ compiled_decode = jax.jit(
 )
 
 
+def row_keys(rng: Array, batch: int) -> Array:
+    """One key per row `[batch]`: `rng` folded in by the row's index. Row b draws its token at
+    position p with `fold_in(row_keys[b], p)`."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(batch))
+
+
+def _position_keys(keys: Array, position: Array) -> Array:
+    """Each row's key for its token at `position` (`row_keys`)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, position)
+
+
 def inputs_of(request: Request, rng: Array, max_new_tokens: int, temperature: float, top_p: Any) -> Inputs:
     """The traced inputs of a `Request`."""
-    rows = jnp.arange(request.prompt.shape[0])
     return Inputs(
         prompt=jnp.asarray(request.prompt),
         lengths=jnp.asarray(request.lengths),
         eos=jnp.asarray(request.eos),
-        row_keys=jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, rows),
+        row_keys=row_keys(rng, request.prompt.shape[0]),
         max_new_tokens=jnp.int32(max_new_tokens),
         sampling=Sampling(jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p)),
     )
@@ -460,14 +477,22 @@ def generate(
     return run_request(model, run, prompts, max_new_tokens, settings, return_logprobs)
 
 
+def check_request(config: Any, prompts: Any, max_new_tokens: int, settings: dict) -> Request:
+    """`generate`'s checks, host-side, before anything is computed (one ValueError naming the row
+    or the value), and the request's buckets. `config`: the model's `TransformerConfig`;
+    `settings`: temperature, top_k, top_p and eos_token_id (missing ones as `generate`'s
+    defaults)."""
+    settings = dict(dict(temperature=1.0, top_k=None, top_p=None, eos_token_id=None), **settings)
+    check_sampling(config.vocab_size, settings["temperature"], settings["top_k"], settings["top_p"])
+    check_causal(config)
+    return prepare(config, config.decode_capacity, prompts, max_new_tokens, settings["eos_token_id"])
+
+
 def checked_request(model: Any, prompts: Any, max_new_tokens: int, settings: dict) -> tuple[Request, Inputs]:
     """The checks of `generate` for either face (one ValueError naming the row or the value), then
     the request's buckets and its traced inputs. `settings`: rng, temperature, top_k, top_p and
     eos_token_id, as `generate`'s keywords."""
-    config = model.config
-    check_sampling(config.vocab_size, settings["temperature"], settings["top_k"], settings["top_p"])
-    check_causal(config)
-    request = prepare(config, config.decode_capacity, prompts, max_new_tokens, settings["eos_token_id"])
+    request = check_request(model.config, prompts, max_new_tokens, settings)
     rng = decoding_key(settings["rng"], settings["temperature"], "generate")
     return request, inputs_of(request, rng, max_new_tokens, settings["temperature"], settings["top_p"])
 
@@ -530,6 +555,67 @@ def stream(model: Any, params: Any, prompts: Any, max_new_tokens: int, **setting
         if done.all() or position >= last:
             return
         state = _compiled_advance(model, params, state, inputs, top_k=top_k)
+
+
+def sample_with_cache(
+    step: Callable[..., Any],
+    cache: Any,
+    prompt: Array,
+    rng: Array,
+    sampling: Sampling,
+    max_new_tokens: int,
+    top_k: int | None,
+    has_aux: bool = False,
+) -> Any:
+    """`max_new_tokens` tokens after every row of `prompt` `[B, P]`, traceable: the whole prompt
+    through `step` at once, then one position per step inside `lax.scan`, with no stopping rule.
+
+    `step(cache, tokens [B, T]) -> (logits [B, T, V], cache)` is one cached decode call (of a
+    linen or an nnx model; with `has_aux` it returns `(logits, cache, aux)`). Row b draws its
+    token at position p with `generate`'s key, `fold_in(row_keys(rng, B)[b], p)`, through
+    `choose`: at the same settings and without an end-of-text id, a row's tokens are
+    `generate`'s. Returns `[B, max_new_tokens]` int32; with `has_aux`, (tokens, the prompt
+    call's aux, the decode steps' aux stacked `[max_new_tokens - 1, ...]`). The cache takes P +
+    max_new_tokens - 1 positions (all but the last token).
+    """
+    batch, length = prompt.shape
+    keys = row_keys(rng, batch)
+
+    def call(cache: Any, tokens: Array) -> tuple[Array, Any, Any]:
+        return step(cache, tokens) if has_aux else (*step(cache, tokens), None)
+
+    def pick(logits: Array, position: Array) -> Array:
+        return choose(logits[:, -1], _position_keys(keys, position), sampling, top_k)  # (B,)
+
+    logits, cache, prompt_aux = call(cache, prompt)  # (B, P, V)
+    first = pick(logits, jnp.int32(length))
+
+    def body(carry: tuple[Array, Any], position: Array) -> tuple[tuple[Array, Any], tuple[Array, Any]]:
+        token, cache = carry
+        logits, cache, aux = call(cache, token[:, None])  # (B, 1, V)
+        token = pick(logits, position)
+        return (token, cache), (token, aux)
+
+    positions = length + 1 + jnp.arange(max_new_tokens - 1, dtype=jnp.int32)
+    _, (rest, steps_aux) = lax.scan(body, (first, cache), positions)  # rest: (max_new_tokens - 1, B)
+    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
+    return (tokens, prompt_aux, steps_aux) if has_aux else tokens
+
+
+def sample(
+    model: Any,
+    params: Any,
+    prompt: Array,
+    rng: Array,
+    sampling: Sampling,
+    max_new_tokens: int,
+    top_k: int | None = None,
+) -> Array:
+    """`sample_with_cache` over a linen `TransformerLM` with a zeroed cache of its `max_len`
+    positions: `[B, max_new_tokens]` int32 after `prompt` `[B, P]`. Traceable (training's
+    samples run it inside their compiled evaluation); `max_new_tokens` and `top_k` are static."""
+    cache = zeroed_cache(model, prompt.shape[0], model.config.max_len)
+    return sample_with_cache(linen_step(model, params), cache, prompt, rng, sampling, max_new_tokens, top_k)
 
 
 def end_of_text_of(directory: str | pathlib.Path) -> list[int] | None:

@@ -1,4 +1,4 @@
-"""A causal language model: transformer blocks, KV-cache sampling, one core for linen and nnx.
+"""A causal language model: transformer blocks and their KV cache, one core for linen and nnx.
 
   TransformerConfig every option of the block and the model, in one frozen dataclass.
   block_forward     the block's computation, once: x + Dropout(attn(norm(x))), then
@@ -13,8 +13,8 @@
                     the core; `qkv_jax.nnx.lm` has the nnx faces over the same core.
   init_cache        the zeroed decode cache of a TransformerLM for a batch size.
   generate          prompts -> new tokens: `qkv_jax.generation.generate` (the bucketed
-                    cache, ragged prompts, the filters, end-of-text); `sample_with_cache`
-                    is the plain `lax.scan` loop the activation capture runs.
+                    cache, ragged prompts, the filters, end-of-text). The sampling itself,
+                    its filters and loops, lives in `qkv_jax.generation`.
 
 Decoding follows flax's `decode=True` convention: the cache lives in the
 'cache' collection (each attention layer's `cached_key` and `cached_value`,
@@ -34,12 +34,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from qkv_jax import generation
 from qkv_jax.attention import PrecisionLike
@@ -92,11 +90,7 @@ __all__ = [
     "init_cache",
     "kv_cache_bytes",
     "kv_cache_bytes_per_token",
-    "sample_logits",
-    "sample_tokens",
-    "check_generate_args",
     "decode_positions",
-    "sample_with_cache",
     "generate",
 ]
 
@@ -865,121 +859,6 @@ def kv_cache_bytes_per_token(model: TransformerLM) -> int:
     """Bytes the decode cache holds per token over all layers: `kv_cache_bytes` / max_len (with
     ring-buffer layers, the mean over a full cache of max_len positions)."""
     return kv_cache_bytes(model) // model.config.max_len
-
-
-def sample_logits(logits: Array, key: Array, temperature: Array, top_k: int | None) -> Array:
-    """One token per row of `logits` `[B, V]` -> `[B]` int32.
-
-    Keeps the `top_k` largest logits (all when None), then samples from
-    softmax(logits / temperature); temperature 0 picks the argmax.
-    """
-    if top_k is not None:
-        kth_largest = lax.top_k(logits, top_k)[0][..., -1:]  # (B, 1)
-        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
-    sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))  # (B,)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-
-
-def sample_with_cache(
-    step: Any,
-    cache: Any,
-    prompt: Array,
-    rng: Array,
-    temperature: Array,
-    max_new_tokens: int,
-    top_k: int | None,
-    has_aux: bool = False,
-) -> Any:
-    """Prefill `prompt` `[B, P]` through `step`, then sample one token per step inside `lax.scan`.
-
-    `step(cache, tokens [B, T]) -> (logits [B, T, V], cache)` is one cached
-    decode call (of a linen or an nnx model). Returns `[B, max_new_tokens]`
-    int32; the P prompt positions and all but the last sampled token go
-    through the cache (P + max_new_tokens - 1 positions). With `has_aux`,
-    `step` returns `(logits, cache, aux)` and this returns (tokens, the
-    prefill's aux, the decode steps' aux stacked `[max_new_tokens - 1, ...]`).
-    """
-    chex.assert_rank(prompt, 2)
-
-    def call(cache: Any, tokens: Array) -> tuple[Array, Any, Any]:
-        return step(cache, tokens) if has_aux else (*step(cache, tokens), None)
-
-    logits, cache, prefill_aux = call(cache, prompt)  # (B, P, V)
-    keys = jax.random.split(rng, max_new_tokens)
-    first = sample_logits(logits[:, -1], keys[0], temperature, top_k)  # (B,)
-
-    def body(carry, key):
-        token, cache = carry
-        logits, cache, aux = call(cache, token[:, None])  # (B, 1, V)
-        token = sample_logits(logits[:, -1], key, temperature, top_k)  # (B,)
-        return (token, cache), (token, aux)
-
-    _, (rest, steps_aux) = lax.scan(body, (first, cache), keys[1:])  # rest: (max_new_tokens - 1, B)
-    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)  # (B, max_new_tokens)
-    return (tokens, prefill_aux, steps_aux) if has_aux else tokens
-
-
-def sample_tokens(
-    model: TransformerLM,
-    params: Any,
-    prompt: Array,
-    rng: Array,
-    temperature: Array,
-    max_new_tokens: int,
-    top_k: int | None,
-) -> Array:
-    """The traceable body of `generate`: `sample_with_cache` over `model.apply` with a fresh cache.
-
-    Returns `[B, max_new_tokens]` int32 for a prompt `[B, P]`.
-    """
-
-    def step(cache, tokens):
-        logits, state = model.apply(
-            {"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"]
-        )  # (B, T, V)
-        return logits, state["cache"]
-
-    cache = init_cache(model, prompt.shape[0])
-    return sample_with_cache(step, cache, prompt, rng, temperature, max_new_tokens, top_k)
-
-
-_compiled_sample_tokens = jax.jit(sample_tokens, static_argnames=("model", "max_new_tokens", "top_k"))
-
-
-def check_generate_args(
-    model: Any,
-    prompt_shape: tuple[int, ...],
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-) -> None:
-    """`generate`'s checks, host-side only: ValueError naming the bad value.
-
-    `model`: a `TransformerLM`, linen or `qkv_jax.nnx`'s (its `config` is read).
-
-    The cache holds `model.config.max_len` positions and the loop feeds P +
-    max_new_tokens - 1 of them (all but the last sampled token).
-    """
-    if len(prompt_shape) != 2 or prompt_shape[1] == 0:
-        raise ValueError(f"generate: prompt must have shape [batch, length >= 1], got {list(prompt_shape)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
-    needed = prompt_shape[1] + max_new_tokens - 1
-    capacity = decode_capacity(model.config)
-    if capacity is not None and needed > capacity:
-        raise ValueError(
-            f"generate: a prompt of {prompt_shape[1]} tokens and max_new_tokens={max_new_tokens} "
-            f"decode {needed} positions, past the model's max_len={model.config.max_len}"
-        )
-    if not model.config.causal:
-        raise ValueError(
-            "generate: the model has causal=False, and decoding with a cache is causal; decode with "
-            "model.clone(config=dataclasses.replace(model.config, causal=True))"
-        )
-    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
-        raise ValueError(f"generate: top_k={top_k!r} must be in [1, {model.config.vocab_size}] or None")
-    if not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"generate: temperature={temperature!r} must be finite and >= 0")
 
 
 def generate(

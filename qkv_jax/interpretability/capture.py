@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from qkv_jax import lm
+from qkv_jax import generation, lm
 from qkv_jax.hooks import HookPoint
 from qkv_jax.interpretability.cache import activation_spec, hook_name
 from qkv_jax.modules import AttentionRequest
@@ -365,8 +365,8 @@ def run_split(owner: str, static: Any, state: Any, inputs: tuple, kwargs: dict, 
     return _run(owner, nnx.merge(static, state), None, inputs, kwargs, spec)
 
 
-def _sample(static, spec: _Spec, state, prompt, rng, temperature, max_new_tokens: int, top_k):
-    """`generate_with_cache`'s traced body: `lm.sample_with_cache` over runs with captures."""
+def _sample(static, spec: _Spec, state, prompt, rng, sampling, max_new_tokens: int, top_k):
+    """`generate_with_cache`'s traced body: `generation.sample_with_cache` over runs with captures."""
     if isinstance(static, nn.Module):  # linen: the cache is a collection of apply
 
         def step(cache, tokens):
@@ -378,7 +378,7 @@ def _sample(static, spec: _Spec, state, prompt, rng, temperature, max_new_tokens
             return logits, mutated["cache"], captured
 
         cache = lm.init_cache(static, prompt.shape[0])  # type: ignore[arg-type]
-        return lm.sample_with_cache(step, cache, prompt, rng, temperature, max_new_tokens, top_k, True)
+        return generation.sample_with_cache(step, cache, prompt, rng, sampling, max_new_tokens, top_k, True)
     from flax import nnx
 
     model = nnx.merge(static, state)
@@ -390,7 +390,7 @@ def _sample(static, spec: _Spec, state, prompt, rng, temperature, max_new_tokens
         logits, captured = _run("generate_with_cache", decoder, None, (tokens,), {"decode": True}, spec)
         return logits, nnx.state(decoder, nnx.Cache), captured
 
-    return lm.sample_with_cache(nnx_step, cache, prompt, rng, temperature, max_new_tokens, top_k, True)
+    return generation.sample_with_cache(nnx_step, cache, prompt, rng, sampling, max_new_tokens, top_k, True)
 
 
 _compiled_sample = jax.jit(_sample, static_argnames=("static", "spec", "max_new_tokens", "top_k"))
@@ -402,19 +402,22 @@ def generate_with_cache(
     prompt: Any,
     max_new_tokens: int,
     *,
-    rng: Array,
+    rng: Array | None = None,
     names_filter: NamesFilter = None,
     pattern_heads: PatternHeads = None,
     hooks: Mapping[str, HookFn] | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
 ) -> tuple[Array, dict[str, Array], dict[str, Array]]:
     """`lm.generate` with the activations of every decode call: (tokens, prefill cache, step cache).
 
     `model`: a linen TransformerLM with `variables` `{"params": ...}`, or a
     `qkv_jax.nnx.TransformerLM` with `variables=None` (left unchanged);
-    `prompt` `[B, P]` int; `max_new_tokens`, `rng`, `temperature`, `top_k`
-    as `lm.generate`'s (same checks, same samples for the same rng).
+    `prompt` `[B, P]` int; `max_new_tokens`, `rng`, `temperature`, `top_k`,
+    `top_p` as `lm.generate`'s: the same checks, and each row draws from
+    generate's key for its row and position, so without an end-of-text id the
+    tokens are generate's (`qkv_jax.generation.sample_with_cache`).
     `names_filter`, `pattern_heads`, `hooks`: `run_with_cache`'s, applied at
     every call of the KV-cache loop (hooks must hold for both call shapes).
 
@@ -427,18 +430,18 @@ def generate_with_cache(
     hooks, B, P, max_new_tokens, top_k): pass the same filter and hook
     objects to reuse it.
     """
-    prompt = jnp.asarray(prompt)
-    if not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ValueError(f"generate_with_cache: prompt must hold integer tokens, got dtype {prompt.dtype}")
-    lm.check_generate_args(model, prompt.shape, max_new_tokens, temperature, top_k)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    generation.check_request(model.config, prompt, max_new_tokens, settings)
+    rng = generation.decoding_key(rng, temperature, "generate_with_cache")
+    sampling = generation.Sampling(jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p))
     static, state = split_model(model, variables)
     return _compiled_sample(
         static,
         _Spec.of(names_filter, pattern_heads, hooks),
         state,
-        prompt.astype(jnp.int32),
+        jnp.asarray(prompt, jnp.int32),
         rng,
-        jnp.float32(temperature),
+        sampling,
         max_new_tokens=max_new_tokens,
         top_k=top_k,
     )

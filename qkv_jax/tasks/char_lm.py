@@ -43,7 +43,8 @@ from qkv_jax.diagnostics import (
     repeated_sequence,
 )
 from qkv_jax.finetune import head_ablation_masks
-from qkv_jax.lm import TransformerLM, sample_tokens
+from qkv_jax.generation import Sampling, sample
+from qkv_jax.lm import TransformerLM
 from qkv_jax.tasks.transformer import (
     causal_model,
     check_sequence_length,
@@ -219,11 +220,8 @@ class CharLM:
         """`[num_samples, sample_length]` tokens generated after `eval.sample_prompt`."""
         prompt = self.tokenizer.encode(self.evaluation["sample_prompt"])
         prompts = jnp.tile(jnp.asarray(prompt), (self.evaluation["num_samples"], 1))
-        temperature = jnp.float32(self.evaluation["temperature"])
-        length = self.evaluation["sample_length"]
-        return sample_tokens(
-            self.honest, params, prompts, key, temperature, max_new_tokens=length, top_k=None
-        )
+        sampling = Sampling(jnp.float32(self.evaluation["temperature"]), jnp.float32(1.0))
+        return sample(self.honest, params, prompts, key, sampling, self.evaluation["sample_length"])
 
     def head_metrics(self, params: Any, tokens: jax.Array, key: jax.Array) -> dict:
         """Per layer and head ([L, N] each) on validation text, and induction scores."""

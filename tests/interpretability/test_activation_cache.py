@@ -254,14 +254,18 @@ def test_nnx_captures_equal_linen_and_leave_the_model_as_it_was(name):
 
 @pytest.mark.slow
 def test_nnx_generation_captures_equal_linen():
+    """...and sample generate's tokens: each row draws from generate's key for its position."""
     config = CONFIGS["gqa"]
     params = model_params(config)
     model = qkv_nnx.linen_to_nnx({"params": params}, qkv_nnx.TransformerLM(config, rngs=nnx.Rngs(0)))
     prompt, names = tokens_for()[:, :4], ["blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post"]
-    options = dict(rng=jax.random.PRNGKey(1), names_filter=names, temperature=0.7)
-    linen = generate_with_cache(TransformerLM(config), {"params": params}, prompt, 3, **options)
-    ours = generate_with_cache(model, None, prompt, 3, **options)
+    sampling = dict(rng=jax.random.PRNGKey(1), temperature=0.7, top_p=0.9)
+    linen = generate_with_cache(
+        TransformerLM(config), {"params": params}, prompt, 3, names_filter=names, **sampling
+    )
+    ours = generate_with_cache(model, None, prompt, 3, names_filter=names, **sampling)
     np.testing.assert_array_equal(ours[0], linen[0])
+    np.testing.assert_array_equal(linen[0], lm.generate(TransformerLM(config), params, prompt, 3, **sampling))
     for got, want in zip(jax.tree.leaves(ours[1:]), jax.tree.leaves(linen[1:]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

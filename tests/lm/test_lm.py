@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qkv_jax import lm
+from qkv_jax import generation, lm
 
 VOCAB, LAYERS, D, N, MAX_LEN = 11, 2, 16, 4, 12
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, MAX_LEN), 0, VOCAB)
@@ -123,19 +123,12 @@ def test_generate_is_deterministic_for_an_rng_and_compiles_once():
     model = make_model(num_kv_heads=1)
     params = jax.jit(model.init)(jax.random.PRNGKey(4), TOKENS)["params"]
     traced = jax.jit(
-        chex.assert_max_traces(lm.sample_tokens, n=1), static_argnames=("model", "max_new_tokens", "top_k")
+        chex.assert_max_traces(generation.sample, n=1), static_argnames=("model", "max_new_tokens", "top_k")
     )
 
     def sample(prompt, seed, temperature):
-        return traced(
-            model,
-            params,
-            prompt,
-            jax.random.PRNGKey(seed),
-            jnp.float32(temperature),
-            max_new_tokens=6,
-            top_k=4,
-        )
+        sampling = generation.Sampling(jnp.float32(temperature), jnp.float32(1.0))
+        return traced(model, params, prompt, jax.random.PRNGKey(seed), sampling, max_new_tokens=6, top_k=4)
 
     first = sample(TOKENS[:, :4], 0, 1.0)
     np.testing.assert_array_equal(sample(TOKENS[:, :4], 0, 1.0), first)
@@ -145,10 +138,15 @@ def test_generate_is_deterministic_for_an_rng_and_compiles_once():
     assert first.dtype == jnp.int32 and (np.asarray(first) >= 0).all() and (np.asarray(first) < VOCAB).all()
 
 
-def test_sample_logits_top_k_and_temperature():
+def test_choose_top_k_and_temperature():
     logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]]))
     keys = jax.random.split(jax.random.PRNGKey(0), 4000)
-    draw = jax.jit(jax.vmap(lm.sample_logits, in_axes=(None, 0, None, None)), static_argnums=3)
+
+    def choose(logits, key, temperature, top_k):
+        sampling = generation.Sampling(jnp.float32(temperature), jnp.float32(1.0))
+        return generation.choose(logits, key[None], sampling, top_k)
+
+    draw = jax.jit(jax.vmap(choose, in_axes=(None, 0, None, None)), static_argnums=3)
     counts = np.bincount(np.asarray(draw(logits, keys, 1.0, None))[:, 0], minlength=4) / 4000
     np.testing.assert_allclose(counts, [0.1, 0.2, 0.3, 0.4], atol=0.03)
     top_2 = np.bincount(np.asarray(draw(logits, keys, 1.0, 2))[:, 0], minlength=4) / 4000
