@@ -389,14 +389,16 @@ def initialize_devices(distributed: bool = True) -> None:
 
 
 def define_mesh_flag() -> None:
-    """--mesh DATA,MODEL: a Hugging Face checkpoint loaded split over a ("data", "model") mesh."""
+    """--mesh DATA,MODEL: a Hugging Face checkpoint, or a fine-tuning run's merged model, loaded
+    split over a ("data", "model") mesh."""
     from absl import flags
 
     flags.DEFINE_string(
         "mesh",
         None,
-        "DATA,MODEL (e.g. 2,4): load the Hugging Face checkpoint split over a (data, model) mesh of "
-        "DATA x MODEL devices, each process reading only its devices' slices (docs/scaling.md).",
+        "DATA,MODEL (e.g. 2,4): load the model split over a (data, model) mesh of DATA x MODEL "
+        "devices: a Hugging Face checkpoint read in each process's devices' slices, a fine-tuning "
+        "run's newest checkpoint merged whole on each host, then split (docs/scaling.md).",
     )
 
 

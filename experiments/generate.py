@@ -24,13 +24,21 @@ second run of a command start without compiling. Prompts of lengths in one bucke
 Decodes with a KV cache sized to the request; the prompt and the new tokens must fit in the
 model's max_len positions. --mesh DATA,MODEL loads a Hugging Face checkpoint split over a
 (data, model) mesh of that many devices, the cache split as its K/V weights are
-(docs/scaling.md; --num_cpu_devices simulates devices on a CPU).
+(docs/scaling.md; --num_cpu_devices simulates devices on a CPU); greedy tokens are one
+device's. A mesh the model cannot be split over (a model axis that does not divide its heads,
+say) is one line (exit 2), before any weight is read.
 
 A fine-tuning run's workdir (configs/pretrained_text.py: LoRA or full, GQA-converted too)
 reads as the directory `experiments.export` would write from it: the run's tokenizer.json,
-end-of-text ids and its newest checkpoint with the adapters merged, no export needed:
+end-of-text ids and its newest checkpoint with the adapters merged, no export needed; with
+--mesh, split as the export would be (each process holds the whole merged model on its host
+while placing it):
 
   python -m experiments.generate --workdir runs/ft_lora --prompt "The keys and" --temperature 0
+  python -m experiments.generate --workdir runs/ft_lora --prompt "The keys and" --temperature 0 \
+    --mesh 2,2 [--num_cpu_devices 4]
+
+A char_lm run's workdir decodes on one device (--mesh is refused with it).
 
 Left out, --max_new_tokens is 200 or the positions the model has left after the prompt,
 whichever is fewer (a one-line notice on stderr when fewer).
@@ -237,10 +245,6 @@ def from_pretrained() -> None:
     common.enable_compilation_cache(FLAGS.compilation_cache)
     common.initialize_devices()
     mesh = common.mesh_from_flag()
-    if mesh is not None and FLAGS.workdir:
-        common.fail(
-            "--mesh: only with --pretrained (a fine-tuning run's workdir loads on one device)", code=2
-        )
     try:
         model, params = load_params(FLAGS.pretrained, mesh=mesh)
     except ValueError as error:
@@ -265,6 +269,12 @@ def main(argv):
     if not FLAGS.prompt:
         common.fail("--prompt: must not be empty", code=2)
     if source == "workdir":
+        if FLAGS.mesh is not None:
+            common.fail(
+                "--mesh: only with --pretrained or a fine-tuning run's --workdir (a char_lm run "
+                "decodes on one device)",
+                code=2,
+            )
         from_run()
     else:
         from_pretrained()

@@ -24,6 +24,13 @@ seed) and results.html linking to them.
 A fine-tuning run (configs/pretrained_text.py: LoRA or full, GQA-converted too): loss.png and
 report.json's evaluation, and with --prompt (and --clean, --corrupted) the Hugging Face report
 below of its newest checkpoint, adapters merged, written into the workdir: no export needed.
+With --prompt, --mesh DATA,MODEL splits that model as below (each process holds the whole
+merged model on its host while placing it); a mesh it cannot be split over is one line (exit
+2) before anything is written. A run of another task or a sweep reads on one device (--mesh
+is refused).
+
+  python -m experiments.report --workdir runs/ft_lora --prompt "The keys and the queries meet" \
+    [--mesh 2,2 --num_cpu_devices 4]
 
 A Hugging Face checkpoint (--pretrained: config.json, model.safetensors and its
 tokenizer.json; give --prompt and --out): OUT/report.json with the prompt's tokens, each
@@ -34,7 +41,8 @@ one checkpoint (shown as step 0) and no loss curves. OUT is created if missing; 
 and report.json in it are replaced, nothing else there is touched. Text is read with the
 checkpoint's tokenizer (special tokens as it adds them), tokens labelled by their text in its
 vocabulary. --mesh DATA,MODEL loads it split over a (data, model) mesh of that many devices
-(`load_pretrained(mesh=...)`; --num_cpu_devices simulates them on a CPU).
+(`load_pretrained(mesh=...)`; --num_cpu_devices simulates them on a CPU): the same report as
+on one device, to float32 rounding.
 
 Patching: the two prompts must have as many tokens (a char LM reads characters, the
 sequence tasks whitespace-separated token ids, a Hugging Face checkpoint its
@@ -45,6 +53,8 @@ the corrupted run in turn, and the heat map shows the share of logit(answer) -
 logit(contrast) at the last position this restores: (patched - corrupted) / (clean -
 corrupted).
 """
+
+from typing import Any
 
 from absl import flags
 
@@ -87,22 +97,30 @@ def report_pretrained(patching: tuple[str, str] | None) -> None:
 
 def report_finetuning_run(patching: tuple[str, str] | None) -> None:
     """A fine-tuning run: the run's report (loss.png, report.json's evaluation), then with --prompt
-    the Hugging Face page of its newest checkpoint, adapters merged (as its export would read)."""
+    the Hugging Face page of its newest checkpoint, adapters merged (as its export would read),
+    split over --mesh when given."""
     from qkv_jax.report.pretrained import open_pretrained, read_text, report_pretrained
     from qkv_jax.report.run import report_run
     from qkv_jax.training import ConfigError
 
     if patching is not None and not FLAGS.prompt:
         common.fail("--clean and --corrupted: a fine-tuning run's page needs --prompt too", code=2)
+    if FLAGS.mesh is not None and not FLAGS.prompt:
+        common.fail("--mesh: splits the model of a fine-tuning run's page, which needs --prompt too", code=2)
+    common.initialize_devices()
+    mesh = None
     try:
-        if FLAGS.prompt:  # each text read before anything is computed or written
+        if FLAGS.prompt:  # each text and the mesh checked before anything is computed or written
             shape, tokenizer = open_pretrained(FLAGS.workdir)
             for flag in ("prompt", "clean", "corrupted"):
                 if FLAGS[flag].value is not None:
                     read_text(tokenizer, shape, FLAGS[flag].value, f"--{flag}")
+            mesh = checked_mesh(shape)
         report = report_run(FLAGS.workdir)
         if FLAGS.prompt:
-            report = report_pretrained(FLAGS.workdir, FLAGS.workdir, FLAGS.prompt, patching, extra=report)
+            report = report_pretrained(
+                FLAGS.workdir, FLAGS.workdir, FLAGS.prompt, patching, extra=report, mesh=mesh
+            )
     except ConfigError as error:
         common.fail(str(error), code=2)
     page = " and report.html" if FLAGS.prompt else " (--prompt adds report.html)"
@@ -110,6 +128,21 @@ def report_finetuning_run(patching: tuple[str, str] | None) -> None:
     for name, value in report.items():
         if name.startswith("eval_"):
             print(f"  {name:28s} {value:.4g}")
+
+
+def checked_mesh(model) -> Any:
+    """The mesh --mesh names (None without it), checked against `model`'s heads: one line (exit
+    2) for a mesh it cannot be split over."""
+    from qkv_jax.sharding import check_mesh
+
+    mesh = common.mesh_from_flag()
+    if mesh is not None:
+        config = model.config
+        try:
+            check_mesh(mesh, config.num_heads, config.num_kv_heads or config.num_heads)
+        except ValueError as error:
+            common.fail(str(error), code=2)
+    return mesh
 
 
 def main(argv):
@@ -134,6 +167,8 @@ def main(argv):
     if is_run(FLAGS.workdir):
         report_finetuning_run(patching)
         return
+    if FLAGS.mesh is not None:
+        common.fail("--mesh: only with --pretrained or a fine-tuning run's --workdir", code=2)
     try:
         if is_sweep(FLAGS.workdir):
             if patching is not None:

@@ -2,7 +2,8 @@
 
   open_pretrained(directory)            (TransformerLM, tokenizer) from config.json and
                                         tokenizer.json, no tensor read
-  load_params(directory, mesh=None)     (TransformerLM, params): `load_pretrained`
+  load_params(directory, mesh=None)     (TransformerLM, params): `load_pretrained`, or a
+                                        run's `read_merged`; split over `mesh` when given
   read_text(tokenizer, model, text, flag)  `[T]` token ids and their labels
   report_pretrained(directory, out, prompt, patching=None)
                                         out/report.json and out/report.html
@@ -100,13 +101,13 @@ def open_pretrained(directory: str | pathlib.Path) -> tuple[TransformerLM, Pretr
 
 
 def load_params(directory: str | pathlib.Path, mesh: Any = None) -> tuple[TransformerLM, Any]:
-    """(TransformerLM, params) of `directory` (`load_pretrained`, split over `mesh` when given), or
-    of a fine-tuning run's newest checkpoint with its adapters merged
-    (`pretrained_text.read_merged`); ConfigError for a bad file or a mesh the model cannot be
-    split over."""
+    """(TransformerLM, params) of `directory` (`load_pretrained`), or of a fine-tuning run's newest
+    checkpoint with its adapters merged (`pretrained_text.read_merged`), split over `mesh` when
+    given (the same values as on one device); ConfigError for a bad file or a mesh the model
+    cannot be split over (checked before any weight is read)."""
     try:
         if pretrained_text.is_run(directory):
-            config, params, _ = pretrained_text.read_merged(directory)
+            config, params, _ = pretrained_text.read_merged(directory, mesh=mesh)
         else:
             config, params = load_pretrained(directory, mesh=mesh)
     except ValueError as error:
@@ -187,7 +188,7 @@ def report_pretrained(
     created if missing and nothing else in it is touched. Returns report.json's content. Every
     prompt is read (ConfigError naming its flag) before a tensor is. `directory` is a Hugging
     Face directory or a fine-tuning run's workdir (`open_pretrained`); `mesh` (a ("data",
-    "model") jax Mesh) loads a Hugging Face directory split over it."""
+    "model") jax Mesh) loads either split over it (`load_params`)."""
     # The page's modules bring the trainer's (orbax, optax: 0.2 s); the readers above do without.
     from qkv_jax.report.explorer import write_run_page
     from qkv_jax.report.run import PageSource, page_data

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from qkv_jax import text
 from qkv_jax.lm import TransformerConfig, TransformerLM
@@ -45,6 +46,7 @@ from qkv_jax.lora import merge_lora
 from qkv_jax.pretrained.io import is_pretrained_directory, load_config
 from qkv_jax.pretrained.save import pick_family, save_pretrained
 from qkv_jax.pretrained.tokenizer import TOKENIZER_FILE, PretrainedTokenizer, load_tokenizer
+from qkv_jax.sharding import check_mesh, param_shardings
 from qkv_jax.tasks.transformer import init_params, make_model, token_cross_entropy, training_logits
 from qkv_jax.training import validate
 from qkv_jax.training.setup import Setup
@@ -340,14 +342,23 @@ def is_run(path: str | pathlib.Path) -> bool:
     return (path / "config.json").is_file() and (path / PRETRAINED_DIR / "config.json").is_file()
 
 
-def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, int]:
+def read_merged(workdir: str | pathlib.Path, mesh: Mesh | None = None) -> tuple[TransformerConfig, Any, int]:
     """(the model's config without adapters, its parameters with the adapters merged into the
     kernels, the checkpoint's step) of the run's newest verified checkpoint: the model
     `export_run` writes, read in place as `load_pretrained` reads the export (the config's
     `dtype` and `param_dtype` the parameters', the arrays on the default device). ValueError,
-    one line, for a workdir without a run or a checkpoint."""
+    one line, for a workdir without a run or a checkpoint.
+
+    With `mesh` (a `jax.sharding.Mesh` with axes "data" and "model") the parameters are global
+    jax.Arrays split as `load_pretrained(mesh=...)` splits the export's
+    (`qkv_jax.sharding.param_shardings`), the same values as on one device; the mesh is checked
+    against the model (`qkv_jax.sharding.check_mesh`, one-line ValueError) before the checkpoint
+    is read. Each process holds the whole merged model on its host while placing it (one host
+    is the main case; under `jax.distributed` each process places its own devices' blocks)."""
     workdir = pathlib.Path(workdir)
     config, _ = read_run(workdir)
+    if mesh is not None:
+        check_mesh(mesh, config.num_heads, config.num_kv_heads or config.num_heads)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ (the run has not saved one yet)")
     # Imported here: orbax costs about 0.2 s, which a checkpoint directory's readers
@@ -358,12 +369,25 @@ def read_merged(workdir: str | pathlib.Path) -> tuple[TransformerConfig, Any, in
         saved = read_params(workdir)
     except NoCheckpointError as error:
         raise ValueError(f"--workdir={str(workdir)!r}: {error}") from None
-    # On the default device, uncommitted, as `load_pretrained` places the export's: not on the
-    # training mesh the checkpoint was restored onto (another input sharding: another compile).
-    params = jax.tree.map(lambda x: jax.device_put(np.asarray(x)), merge_lora(saved.tree, config.lora_alpha))
-    stored = np.dtype(jax.tree.leaves(params)[0].dtype)
+    host = jax.tree.map(np.asarray, merge_lora(saved.tree, config.lora_alpha))
+    stored = np.dtype(jax.tree.leaves(host)[0].dtype)
     merged = dataclasses.replace(without_adapters(config), dtype=stored, param_dtype=stored)
-    return merged, params, saved.step
+    return merged, _placed(host, mesh), saved.step
+
+
+def _placed(host: Any, mesh: Mesh | None) -> Any:
+    """Host arrays on the default device, uncommitted, as `load_pretrained` places the export's
+    (not on the training mesh the checkpoint was restored onto: another input sharding, another
+    compile); with `mesh`, global arrays split by `qkv_jax.sharding`'s rules, each process
+    filling its own devices' blocks from its host copy (`jax.device_put` cannot reach the
+    devices of other processes)."""
+    if mesh is None:
+        return jax.tree.map(jax.device_put, host)
+
+    def split(array: np.ndarray, sharding: Any) -> jax.Array:
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    return jax.tree.map(split, host, param_shardings(host, mesh))
 
 
 def export_run(

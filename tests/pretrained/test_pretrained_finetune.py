@@ -198,6 +198,29 @@ def test_packed_rows_attend_within_their_documents(sources):
     np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 1, 0, 1, 1, 0]])
 
 
+def test_a_mesh_the_run_cannot_be_split_over_is_refused_before_its_checkpoint(sources, tmp_path):
+    """A fine-tuning run's workdir read onto a mesh whose model axis (3) divides neither its 4
+    heads nor its 4 K/V heads: one line, before the checkpoint is looked for (there is none)."""
+    import jax
+    from jax.sharding import Mesh
+
+    from qkv_jax.report.pretrained import load_params
+    from qkv_jax.training import ConfigError
+
+    directories, _ = sources
+    workdir = tmp_path / "W"
+    (workdir / PRETRAINED_DIR).mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps({"model": {}}))
+    shutil.copy(directories["llama"] / "config.json", workdir / PRETRAINED_DIR / "config.json")
+    # The check reads the mesh's shape only: this process's one device three times over.
+    mesh = Mesh(np.asarray(jax.devices()[:1] * 3).reshape(1, 3), ("data", "model"))
+    with pytest.raises(ConfigError) as refused:
+        load_params(workdir, mesh=mesh)
+    assert str(refused.value) == (
+        "mesh model axis=3: must divide num_heads=4 and divide (or be a multiple of) num_kv_heads=4"
+    )
+
+
 def bad(tmp_path, sources, **changes):
     """The error lines of a run whose `changes` ({"path": file, "source": dir, flag: value})
     are bad; nothing is compiled or written."""
@@ -409,7 +432,15 @@ def test_mha_converted_to_gqa_uptrains_and_exports_with_the_new_kv_heads(sources
     greedy = tiny_checkpoints.greedy(tmp_path / "hf", np.asarray(ids), 12)
     expected = tiny_checkpoints.until_end_of_text(tmp_path / "hf", greedy)
     assert generated.stdout.splitlines()[-1] == "token ids: " + " ".join(map(str, expected))
-    reported = launch("report", *prompt)
+    # On a (2, 2) mesh of 4 simulated devices, the 2 K/V heads split over the model axis: the
+    # one-device tokens, and (report) the one-device page.
+    mesh = ["--mesh=2,2", "--num_cpu_devices=4"]
+    on_mesh = launch(
+        "generate", *prompt, "--temperature", "0", "--max_new_tokens", "12", "--print_token_ids", *mesh
+    )
+    assert on_mesh.returncode == 0, on_mesh.stderr
+    assert on_mesh.stdout.splitlines()[-1] == generated.stdout.splitlines()[-1]
+    reported = launch("report", *prompt, *mesh)
     assert reported.returncode == 0, reported.stderr
     report = json.loads((workdir / "report.json").read_text())
     assert report["prompt_ids"] == ids and report["eval_val_loss"] == pytest.approx(summary["eval_val_loss"])
