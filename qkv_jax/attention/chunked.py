@@ -105,7 +105,13 @@ def _power_of_two_at_most(x: float) -> int:
 
 
 def block_sizes(
-    batch_heads: int, T: int, S: int, *, backward: bool = False, key_span: int | None = None
+    batch_heads: int,
+    T: int,
+    S: int,
+    *,
+    backward: bool = False,
+    key_span: int | None = None,
+    key_width: int | None = None,
 ) -> tuple[int, int]:
     """Default `(block_q, block_k)` for `batch_heads` = batch x query heads.
 
@@ -116,13 +122,23 @@ def block_sizes(
     budget. Both are clipped to T and S. A problem of at most `2 * TILE_ELEMENTS` logits in all
     is one tile in both passes: the loops' overhead then costs more than the
     cache misses (at 8 MiB of logits: 0.83x the time of the tiled backward).
+    That needs as well that a tile's copies of the keys and values, `key_width`
+    (batch x kv heads x (H + Hv)) elements per key, hold at most `4 * TILE_ELEMENTS`
+    (16 MiB in float32, half glibc's mmap threshold): a decode step's one query
+    makes few logits, but the copies of a long cache then make the call's
+    temporaries a fresh mapping whose pages fault in on every call (at B8 N14 K2
+    H64, one query over 4096 keys, 32 MiB of copies: one tile takes about 2x
+    the time of key blocks of 512; below 16 MiB one tile is as fast or faster;
+    inside a whole decode step, whose temporaries are one larger block anyway,
+    the two take the same time; python benchmarks/decode_attention.py).
 
     `key_span`, the most keys one query may see (a local window's width), caps
     both blocks at half of it (a power of two, at least `MIN_BLOCK`): a query
     block then reads about `key_span / block_k + 2` key blocks, so a tile mostly
     holds pairs the window allows.
     """
-    if batch_heads * T * S <= 2 * TILE_ELEMENTS:
+    copies = 0 if key_width is None else key_width * S
+    if batch_heads * T * S <= 2 * TILE_ELEMENTS and copies <= 4 * TILE_ELEMENTS:
         return T, S
     elements = TILE_ELEMENTS / max(batch_heads, 1)
     cap = MAX_BLOCK
@@ -749,12 +765,18 @@ def _masking(
 
 
 def _tiling(query, key, value, block_q, block_k, keys: KeyVisibility, logits_soft_cap, precision) -> _Tiling:
-    *batch, T, N, _ = query.shape
+    *batch, T, N, H = query.shape
     S, K = key.shape[-3], key.shape[-2]
-    span = keys.key_span()  # the most keys one query may see
-    batch_heads = math.prod(batch) * N
-    default_q, default_k = block_sizes(batch_heads, T, S, key_span=span)
-    backward = None if block_q or block_k else block_sizes(batch_heads, T, S, backward=True, key_span=span)
+    sizes = functools.partial(
+        block_sizes,
+        math.prod(batch) * N,
+        T,
+        S,
+        key_span=keys.key_span(),  # the most keys one query may see
+        key_width=math.prod(batch) * K * (H + value.shape[-1]),
+    )
+    default_q, default_k = sizes()
+    backward = None if block_q or block_k else sizes(backward=True)
     return _Tiling(
         T=T,
         S=S,

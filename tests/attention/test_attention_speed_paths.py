@@ -48,6 +48,11 @@ def test_block_sizes_fill_the_budget_and_clip_to_the_lengths():
     assert block_sizes(64, 3, 5) == (3, 5)
     assert block_sizes(128, 128, 128) == block_sizes(128, 128, 128, backward=True) == (128, 128)  # one tile
     assert block_sizes(B * N, T, S) != block_sizes(B * N, T, S, backward=True)
+    # A decode step (B8 N14 K2 H64, one query): few logits, but 32 MiB of copies of 4096 cached
+    # keys and values in one tile; a shorter cache (16 MiB of copies or less) stays one tile.
+    assert block_sizes(8 * 14, 1, 4096) == (1, 4096)
+    assert block_sizes(8 * 14, 1, 4096, key_width=8 * 2 * 128) == (1, MAX_BLOCK)
+    assert block_sizes(8 * 14, 1, 2048, key_width=8 * 2 * 128) == (1, 2048)
 
 
 @pytest.mark.parametrize("name", ["block_q", "block_k"])
