@@ -37,27 +37,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_results  # noqa: E402
+from benchmarks.versus_transformers import SHAPE  # noqa: E402
 
 BATCHES, LENGTHS = (1, 8), (128, 1024, 4096, 16384)
-N, K, H = 14, 2, 64  # Qwen2.5-0.5B's attention
+N, K, H = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], 64  # Qwen2.5-0.5B's attention
 STEP_LENGTHS = (128, 1024, 4096)
-QWEN = dict(
-    model_type="qwen2",
-    architectures=["Qwen2ForCausalLM"],
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=N,
-    num_key_value_heads=K,
-    hidden_act="silu",
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    rope_theta=1000000.0,
-    use_sliding_window=False,
-    attention_dropout=0.0,
-)
+QWEN = dict(SHAPE, model_type="qwen2", architectures=["Qwen2ForCausalLM"])  # a config.json of it
 
 
 def timed(call, rounds: int) -> float:
