@@ -4,13 +4,13 @@ r"""A decode step's attention on CPU: one query over a long KV cache, side by si
 
 Attention alone, float32, one query (T = 1) over S cached keys, all of them visible: the
 attention of Qwen2.5-0.5B (14 query heads and 2 K/V heads of 64) at batch 1 and 8, S from
-128 to 16384. Side by side in one process (but `one tile`), each call after a warm-up, interleaved in rounds,
+128 to 16384. Side by side in one process, each call after a warm-up, interleaved in rounds,
 medians:
   qkv_jax        qkv_jax.dot_product_attention(q, k, v, is_causal=True, query_offset=S - 1),
                  implementation=None (on CPU the chunked path, its tiles by `block_sizes`)
-  one tile       the same call, in a process of its own, under the chunked path's previous
-                 tile rule, which made this one tile of all S keys: it counted the tile's
-                 logits, not its copies of K and V
+  one tile       the same call, in a second process that runs the same cases, under the
+                 chunked path's previous tile rule, which made this one tile of all S keys:
+                 it counted the tile's logits, not its copies of K and V
   jax.nn         jax.jit(jax.nn.dot_product_attention) on the same arrays
   torch          torch's scaled_dot_product_attention in its [B, N, T, H] layout (enable_gqa),
                  on as many threads as JAX has cores
@@ -70,9 +70,9 @@ def previous_rule():
         chunked.block_sizes = rule
 
 
-def attention_calls(batch: int, length: int, peers: bool) -> dict:
-    """The calls of one case (qkv_jax's, and with `peers` jax.nn's and torch's), each returning
-    when its result is ready."""
+def attention_calls(batch: int, length: int) -> dict:
+    """The calls of one case (qkv_jax's, jax.nn's and torch's), each returning when its result is
+    ready."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,8 +86,6 @@ def attention_calls(batch: int, length: int, peers: bool) -> dict:
     arrays = [jnp.asarray(x) for x in (q, k, v)]
     offset = jnp.int32(length - 1)
     ours = jax.jit(lambda q, k, v, o: dot_product_attention(q, k, v, is_causal=True, query_offset=o))
-    if not peers:
-        return {"qkv_jax": lambda: ours(*arrays, offset).block_until_ready()}
     plain = jax.jit(jax.nn.dot_product_attention)
     tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))  # [B, N|K, T|S, H]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -98,12 +96,12 @@ def attention_calls(batch: int, length: int, peers: bool) -> dict:
     }
 
 
-def attention_cases(rounds: int, peers: bool) -> dict:
+def attention_cases(rounds: int) -> dict:
     """Median ms of each call per (batch, cache length), the calls interleaved round by round."""
     results = {}
     for batch in BATCHES:
         for length in LENGTHS:
-            calls = attention_calls(batch, length, peers)
+            calls = attention_calls(batch, length)
             for call in calls.values():
                 call()  # compile
             times = {name: [] for name in calls}
@@ -147,26 +145,45 @@ def decode_step_ms(rounds: int) -> dict:
     return results
 
 
+def key_blocks(case: str) -> tuple[int, int]:
+    """The chunked path's key block for a case ("B8 S4096") under today's tile rule and before."""
+    from qkv_jax.attention.chunked import block_sizes
+
+    batch, length = (int(part[1:]) for part in case.split())
+    today = block_sizes(batch * N, 1, length, key_width=batch * K * 2 * H)[1]
+    return today, block_sizes(batch * N, 1, length)[1]
+
+
 def table(runs: dict) -> tuple[list[str], dict]:
     """The markdown table and the ratios of the two processes' results (`runs[rule]`)."""
-    attention = {
-        case: {**ms, "one tile": runs["one tile"]["attention"][case]["qkv_jax"]}
-        for case, ms in runs["qkv_jax"]["attention"].items()
-    }
+    ours, before = runs["qkv_jax"]["attention"], runs["one tile"]["attention"]
+    cases = [f"B{batch} S{length}" for batch in BATCHES for length in LENGTHS]
+    attention = {case: {**ours[case], "one tile": before[case]["qkv_jax"]} for case in cases}
     steps = {rule: run["steps"] for rule, run in runs.items()}
     lines = [
-        "| batch, cache length | qkv_jax (ms) | one tile (ms) | jax.nn (ms) | torch (ms) | qkv_jax / torch "
-        "| qkv_jax / one tile |",
-        "|---|---|---|---|---|---|---|",
+        "| batch, cache length | key block (today, before) | qkv_jax (ms) | one tile (ms) | jax.nn (ms) "
+        "| torch (ms) | qkv_jax / torch | qkv_jax / one tile |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    ratios = {}
+    ratios, same_program = {}, []
     for case, ms in attention.items():
+        today, before = key_blocks(case)
+        times = " | ".join(f"{ms[name]:.3f}" for name in ("qkv_jax", "one tile", "jax.nn", "torch"))
         lines.append(
-            f"| {case} | {ms['qkv_jax']:.3f} | {ms['one tile']:.3f} | {ms['jax.nn']:.3f} | {ms['torch']:.3f} "
-            f"| {ms['qkv_jax'] / ms['torch']:.2f} | {ms['qkv_jax'] / ms['one tile']:.2f} |"
+            f"| {case} | {today}, {before} | {times} | {ms['qkv_jax'] / ms['torch']:.2f} "
+            f"| {ms['qkv_jax'] / ms['one tile']:.2f} |"
         )
         ratios[f"attention {case}: qkv_jax / torch"] = ms["qkv_jax"] / ms["torch"]
         ratios[f"attention {case}: qkv_jax / one tile"] = ms["qkv_jax"] / ms["one tile"]
+        if today == before:
+            same_program.append(ms["qkv_jax"] / ms["one tile"])
+    if same_program:
+        lines += [
+            "",
+            "Where both rules choose the same key block, the two columns time one program in two "
+            f"processes: their ratios, {min(same_program):.2f} to {max(same_program):.2f}, are this "
+            "machine's spread between processes.",
+        ]
     lines += [
         "",
         "A decode step of the Qwen2.5-0.5B-shaped model (24 layers, float32, batch 8, random weights):",
@@ -182,14 +199,15 @@ def table(runs: dict) -> tuple[list[str], dict]:
 
 
 def child(args) -> None:
-    """One process under one tile rule: the attention cases (with the peers under today's rule)
-    and the decode steps; prints them as JSON on its last line."""
+    """One process under one tile rule: the attention cases and the decode steps; prints them as
+    JSON on its last line."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    peers = args.rule == "qkv_jax"
-    with contextlib.nullcontext() if peers else previous_rule():
-        attention = attention_cases(args.rounds, peers)
+    # Both processes run the peers too: torch's threads keep spinning after its calls, and the
+    # JAX calls beside them must meet the same neighbours under either rule.
+    with contextlib.nullcontext() if args.rule == "qkv_jax" else previous_rule():
+        attention = attention_cases(args.rounds)
         steps = decode_step_ms(max(args.rounds // 3, 3))
     print(json.dumps({"attention": attention, "steps": steps}))
 
