@@ -137,9 +137,8 @@ def checked_mesh(model) -> Any:
 
     mesh = common.mesh_from_flag()
     if mesh is not None:
-        config = model.config
         try:
-            check_mesh(mesh, config.num_heads, config.num_kv_heads or config.num_heads)
+            check_mesh(mesh, model.config)
         except ValueError as error:
             common.fail(str(error), code=2)
     return mesh

@@ -153,10 +153,12 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     )
 
 
-def check_mesh(mesh: Any, num_heads: int, num_kv_heads: int) -> None:
+def check_mesh(mesh: Any, config: Any) -> None:
     """ValueError (one line) unless `mesh` is a jax Mesh with axes "data" and "model" whose
-    model axis divides the query heads and either divides the K/V heads or is a multiple of
-    them (the K/V heads then replicated), and whose devices this run's processes hold."""
+    model axis divides the query heads of `config` (a `TransformerConfig`) and either divides
+    its K/V heads or is a multiple of them (the K/V heads then replicated), and whose devices
+    this run's processes hold."""
+    num_heads, num_kv_heads = config.num_heads, config.num_kv_heads or config.num_heads
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh={mesh!r}: must be a jax.sharding.Mesh with axes ('data', 'model')")
     if set(mesh.axis_names) != {"data", "model"}:

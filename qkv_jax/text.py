@@ -21,6 +21,7 @@ from jax import lax
 
 __all__ = [
     "CharTokenizer",
+    "TOKENIZER_FILE",
     "UNKNOWN",
     "stdlib_documents",
     "read_documents",
@@ -29,6 +30,8 @@ __all__ = [
     "random_windows",
 ]
 
+# The file in a char LM run's workdir that holds its CharTokenizer.
+TOKENIZER_FILE = "tokenizer.json"
 # What id 0 decodes to: every character outside the vocabulary.
 UNKNOWN = "\ufffd"
 # Directory names left out of the standard-library corpus: installed packages

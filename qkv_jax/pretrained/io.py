@@ -271,7 +271,7 @@ def load_pretrained(
     config, model_type = load_config(path)
     family = family_of(model_type)
     if mesh is not None:
-        check_mesh(mesh, config.num_heads, config.num_kv_heads or config.num_heads)
+        check_mesh(mesh, config)
     with TensorSource(path) as tensors:
         param_dtype = _param_dtype(tensors, dtype)
         config = dataclasses.replace(config, param_dtype=param_dtype, dtype=param_dtype)

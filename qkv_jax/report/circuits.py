@@ -41,7 +41,7 @@ from qkv_jax.interpretability.circuits import (
 )
 from qkv_jax.lm import TransformerLM
 from qkv_jax.models import FlagReader
-from qkv_jax.text import CharTokenizer
+from qkv_jax.text import TOKENIZER_FILE, CharTokenizer
 from qkv_jax.training.validate import ConfigError
 
 __all__ = [
@@ -241,8 +241,6 @@ def read_prompt(
 def run_prompts(model: TransformerLM, workdir: str | pathlib.Path) -> PromptReader:
     """How a run in `workdir` reads prompts (`read_prompt`): characters with its tokenizer.json
     (a char LM's), token ids without one."""
-    from qkv_jax.tasks.char_lm import TOKENIZER_FILE  # the char LM's task brings the trainer (orbax)
-
     path = pathlib.Path(workdir) / TOKENIZER_FILE
     tokenizer = CharTokenizer.load(path) if path.is_file() else None
     label = str if tokenizer is None else lambda token: tokenizer.chars[token]

@@ -70,7 +70,7 @@ __all__ = [
     "read_run",
 ]
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = text.TOKENIZER_FILE
 SAMPLES_FILE = "samples.txt"
 NATS_PER_BIT = math.log(2.0)
 DIAGNOSTIC_EXAMPLES = 16  # validation windows (and repeated sequences) for the head diagnostics

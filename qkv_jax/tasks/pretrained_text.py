@@ -358,7 +358,7 @@ def read_merged(workdir: str | pathlib.Path, mesh: Mesh | None = None) -> tuple[
     workdir = pathlib.Path(workdir)
     config, _ = read_run(workdir)
     if mesh is not None:
-        check_mesh(mesh, config.num_heads, config.num_kv_heads or config.num_heads)
+        check_mesh(mesh, config)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"--workdir={str(workdir)!r}: has no checkpoints/ (the run has not saved one yet)")
     # Imported here: orbax costs about 0.2 s, which a checkpoint directory's readers
