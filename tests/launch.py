@@ -1,9 +1,11 @@
 """Starting the launchers in a subprocess, as a user would from the repository root."""
 
+import json
 import os
 import pathlib
 import socket
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,3 +58,17 @@ def run_together(
                 p.kill()
                 p.wait()
     return processes, outputs
+
+
+def two_processes(
+    script: pathlib.Path, spec: dict, timeout: float
+) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """`script` run as processes 0 and 1 of one jax.distributed job, each given `spec` as JSON with
+    the coordinator's address and its process id added: (the processes, their (stdout, stderr));
+    both killed if they outlive `timeout` seconds."""
+    port = free_port()
+    commands = [
+        [sys.executable, str(script), json.dumps({**spec, "coordinator": f"127.0.0.1:{port}", "process": i})]
+        for i in range(2)
+    ]
+    return run_together(commands, timeout)

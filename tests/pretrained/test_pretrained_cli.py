@@ -8,7 +8,8 @@ On the tiny Llama and GPT-2 directories of tests/tiny_checkpoints.py (trained BP
     against them too, and the patching share of every head against a patched run of
     transformers' model (a forward pre-hook on the output projection swaps one head's
     clean output in), so nothing qkv_jax computes checks itself;
-  - each bad input is one line on stderr and exit code 2.
+  - each bad input is one line on stderr and exit code 2, and so is --mesh with a run that reads
+    on one device (a char_lm run, a sweep) or, for report, a fine-tuning run without --prompt.
 """
 
 import json
@@ -466,3 +467,78 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, broken, tmp_path, module,
     assert result.returncode == 2, result.stderr
     assert error_lines(result) == [expected.format(**names)]
     assert result.stdout == "" and not out.exists()  # nothing written
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Workdirs holding only the config files the launchers write when a run starts: a char_lm
+    run (config.json), a sweep of char_lm cells (sweep.json) and a fine-tuning run of a tiny Llama
+    (config.json, pretrained/config.json). None has a checkpoint: a command that looked for one
+    would stop at that instead."""
+    from small_char_lm import small_config
+
+    from configs import pretrained_text
+    from qkv_jax.tasks.pretrained_text import PRETRAINED_DIR
+
+    root = tmp_path_factory.mktemp("runs")
+    char_lm = small_config(root / "text.txt").to_dict()
+    (root / "char_lm").mkdir()
+    (root / "char_lm" / "config.json").write_text(json.dumps(char_lm))
+    (root / "sweep" / "cells").mkdir(parents=True)
+    (root / "sweep" / "sweep.json").write_text(json.dumps({"config": char_lm, "seeds": [0, 1]}))
+    finetuning = pretrained_text.get_config()
+    finetuning.train.init_from, finetuning.data.path = str(root / "llama"), str(root / "text.txt")
+    (root / "finetuning" / PRETRAINED_DIR).mkdir(parents=True)
+    (root / "finetuning" / "config.json").write_text(finetuning.to_json())
+    llama = dict(
+        model_type="llama",
+        vocab_size=120,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    (root / "finetuning" / PRETRAINED_DIR / "config.json").write_text(json.dumps(llama))
+    return root
+
+
+def files_under(root):
+    return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+
+
+ON_ONE_DEVICE = "error: --mesh: only with --pretrained or a fine-tuning run's --workdir"
+MESH_WITH_A_RUN_IT_DOES_NOT_SPLIT = [
+    bad(
+        "char_lm run",
+        "generate",
+        ["--workdir", "{char_lm}", "--prompt", "def "],
+        f"{ON_ONE_DEVICE} (a char_lm run decodes on one device)",
+    ),
+    bad("char_lm run", "report", ["--workdir", "{char_lm}"], ON_ONE_DEVICE),
+    bad("sweep", "report", ["--workdir", "{sweep}"], ON_ONE_DEVICE),
+    bad(
+        "fine-tuning run without --prompt",
+        "report",
+        ["--workdir", "{finetuning}"],
+        "error: --mesh: splits the model of a fine-tuning run's page, which needs --prompt too",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.reliability(
+    "Pretrained checkpoints",
+    "experiments.generate --mesh with a char_lm run's --workdir; experiments.report --mesh with a "
+    "char_lm run or a sweep, or with a fine-tuning run but no --prompt",
+    "exit 2, one line naming the cause, before any checkpoint is read; nothing written",
+)
+@pytest.mark.parametrize(("module", "args", "expected"), MESH_WITH_A_RUN_IT_DOES_NOT_SPLIT)
+def test_mesh_with_a_run_it_does_not_split_is_one_line_and_exit_2(runs, module, args, expected):
+    before = files_under(runs)
+    names = {name: str(runs / name) for name in ("char_lm", "sweep", "finetuning")}
+    result = launch(module, *(arg.format(**names) for arg in args), "--mesh=2,2", "--num_cpu_devices=4")
+    assert result.returncode == 2, result.stderr
+    assert error_lines(result) == [expected]
+    assert result.stdout == "" and files_under(runs) == before  # nothing written

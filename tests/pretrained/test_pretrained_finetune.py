@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tiny_checkpoints
 from in_process import launch_train
-from launch import cache_flag, free_port, launcher_env, run_together
+from launch import cache_flag, free_port, launcher_env, run_together, two_processes
 from page_payload import page_payload
 
 from qkv_jax import load_pretrained
@@ -24,6 +24,7 @@ from qkv_jax.lora import merge_lora
 from qkv_jax.tasks.pretrained_text import (
     PRETRAINED_DIR,
     pack_documents,
+    read_merged,
     read_run,
     split_documents,
     without_adapters,
@@ -31,6 +32,7 @@ from qkv_jax.tasks.pretrained_text import (
 from qkv_jax.training import read_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "pretrained" / "two_process_worker.py"
 PARAGRAPHS = tiny_checkpoints.TEXT.strip().split("\n\n")
 # Documents separated by blank lines: the tiny checkpoints' text, each paragraph with a line of its own.
 DOCUMENTS = [f"{PARAGRAPHS[i % 2]}\nHead {i} reads layer {i % 3}." for i in range(30)]
@@ -348,11 +350,49 @@ def test_lora_fine_tune_exports_to_transformers_with_the_merged_logits(kind, sou
         assert_read_in_place_as_exported(workdir, tmp_path / "hf", tmp_path / "reports")
 
 
+def assert_placed_on_two_processes(workdir, out):
+    """tests/pretrained/two_process_worker.py reads `workdir` on 2 processes x 4 CPU devices onto a
+    (2, 4) mesh: each process's parameters are global arrays split by `param_shardings`, it holds
+    only its own devices' blocks (half of every matrix split over "data"), the logits on PROBE
+    equal one process's `read_merged(workdir)` (1e-5 of the largest), and a mesh over some of
+    each process's devices is refused."""
+    import jax
+
+    out.mkdir()
+    spec = {"workdir": str(workdir), "tokens": PROBE.tolist(), "out": str(out)}
+    processes, outputs = two_processes(WORKER, spec, timeout=600)
+    for p, (_, err) in zip(processes, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    config, params, _ = read_merged(workdir)
+    expected = np.asarray(TransformerLM(config).apply({"params": params}, PROBE.astype(np.int32)))
+    names = ["/".join(k.key for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    for i in range(2):
+        result = json.loads((out / f"process_{i}.json").read_text())
+        assert result["devices"] == 8 and sorted(result["held"]) == sorted(names)
+        held = result["held"]
+        misplaced = [
+            name
+            for name, leaf in held.items()
+            if (leaf["owners"], leaf["global"], leaf["as_rules"]) != ([i], True, True)
+        ]
+        assert not misplaced, misplaced
+        query = held["block_0/attention/query/kernel"]  # d_model split over "data" (2): half here
+        assert query["bytes"] * 2 == query["whole"]
+        assert result["refused"] == (
+            "mesh of 4 devices over 2 processes: a mesh across processes must hold all 8 devices of "
+            "the 2 processes"
+        )
+        assert_same_logits(np.asarray(result["logits"]), expected)
+
+
 @pytest.mark.slow
 def test_lora_fine_tune_on_two_processes_ends_at_the_one_device_loss(sources, tmp_path):
     """The launcher on 2 processes x 2 CPU devices (jax.distributed over gloo), a (2, 2) mesh,
     reading the checkpoint onto it: the one-device run's losses (1e-5), and its export (read by
-    one process) loads in transformers to the one-device export's logits."""
+    one process) loads in transformers to the one-device export's logits. Its workdir read by 2
+    processes x 4 CPU devices onto a (2, 4) mesh (`read_merged(mesh=...)`): every parameter a
+    global array split as `param_shardings` splits it, each process holding only its own
+    devices' blocks, with the logits of the workdir read by one process."""
     directories, text = sources
     one = train(tmp_path / "one", directories["llama"], text, "--config.model.lora_rank=4")
     assert one.code == 0, one.stderr[-3000:]
@@ -376,6 +416,7 @@ def test_lora_fine_tune_on_two_processes_ends_at_the_one_device_loss(sources, tm
     }
     assert len(losses["one"]) == len(losses["two"]) > 0
     np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5, atol=1e-5)
+    assert_placed_on_two_processes(tmp_path / "two", tmp_path / "placed")
     for name in ("one", "two"):
         done = export(tmp_path / name, tmp_path / f"{name}_hf")
         assert done.returncode == 0, done.stderr[-2000:]

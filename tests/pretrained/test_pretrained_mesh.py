@@ -27,11 +27,12 @@ import pytest
 import torch
 import transformers
 from jax.sharding import PartitionSpec as P
-from launch import free_port, launcher_env, run_together
+from launch import launcher_env, two_processes
 
 from qkv_jax import lm, load_pretrained
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "pretrained" / "two_process_worker.py"
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 # Every family is loaded onto every mesh (its placement checked); the workflows run on one mesh
 # per family, so that each mesh runs them once (each costs a few compilations).
@@ -273,19 +274,6 @@ def test_the_decode_cache_follows_its_kv_weights(kv, latent, sizes, expected):
     assert all(spec == P() for name, spec in specs.items() if "cache_index" in name)
 
 
-def two_processes(spec: dict, timeout: float) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
-    """two_process_worker.py as processes 0 and 1 of one jax.distributed job: (the processes,
-    their (stdout, stderr)); both killed if they outlive `timeout` seconds."""
-    port = free_port()
-    worker = str(ROOT / "tests" / "pretrained" / "two_process_worker.py")
-    commands = [
-        [sys.executable, worker, json.dumps({**spec, "coordinator": f"127.0.0.1:{port}", "process": i})]
-        for i in range(2)
-    ]
-    processes, outputs = run_together(commands, timeout)
-    return processes, outputs
-
-
 @pytest.mark.slow
 def test_two_processes_each_hold_their_share_and_compute_one_process_logits(checkpoints, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed over gloo), Llama on a (2, 4) mesh: each
@@ -296,7 +284,7 @@ def test_two_processes_each_hold_their_share_and_compute_one_process_logits(chec
     directory = checkpoints["llama"]
     tokens = np.random.default_rng(1).integers(0, 64, (4, 10))
     spec = {"directory": str(directory), "tokens": tokens.tolist(), "out": str(tmp_path)}
-    processes, outputs = two_processes(spec, timeout=600)
+    processes, outputs = two_processes(WORKER, spec, timeout=600)
     for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     results = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
@@ -307,7 +295,7 @@ def test_two_processes_each_hold_their_share_and_compute_one_process_logits(chec
             "the 2 processes"
         )
         held = result["held"]
-        assert all(leaf["owners"] == [i] for leaf in held.values())
+        assert all(leaf["owners"] == [i] and leaf["global"] and leaf["as_rules"] for leaf in held.values())
         # Every d_model axis is split over "data" (2): a process holds half of each matrix.
         query = held["block_0/attention/query/kernel"]
         assert query["bytes"] * 2 == query["whole"]
@@ -330,7 +318,7 @@ def test_a_process_dying_during_a_load_stops_the_other_without_a_hang(checkpoint
     nothing), then stops at its next collective once the coordination service misses process
     1's heartbeats (3 s here), ended by JAX rather than waiting for ever."""
     spec = {"directory": str(checkpoints["llama"]), "dies": 1, "heartbeat_seconds": 3}
-    (survivor, dead), ((out, err), _) = two_processes(spec, timeout=90)
+    (survivor, dead), ((out, err), _) = two_processes(WORKER, spec, timeout=90)
     assert dead.returncode == 3
     assert "loaded" in out.splitlines(), err[-3000:]
     assert survivor.returncode != 0
