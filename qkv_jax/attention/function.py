@@ -241,9 +241,12 @@ def _run(implementation: str, query, key, value, bias, keys: KeyVisibility, trac
     return output, residual, None
 
 
-def _attention(query, key, value, bias, mask, traced: _Traced, *, options: CallOptions):
-    """`dot_product_attention` under `jax.jit`."""
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+def _attention(query, key, value, bias, mask, traced: _Traced, *, options: CallOptions, shared: bool = False):
+    """`dot_product_attention` under `jax.jit`. `shared`: the caller passed one array as key and
+    value (here given once, as `key`), so that the paths inside see one array and can tell
+    (`chunked_attention`)."""
+    query, key = jnp.asarray(query), jnp.asarray(key)
+    value = key if shared else jnp.asarray(value)
     bias, mask = (None if x is None else jnp.asarray(x) for x in (bias, mask))
     traced = _Traced(*(None if x is None else jnp.asarray(x) for x in traced))
     _validate(query, key, value, bias, mask, traced, options.dropout_rate)
@@ -273,7 +276,7 @@ def _attention(query, key, value, bias, mask, traced: _Traced, *, options: CallO
     )
 
 
-_jitted_attention = jax.jit(_attention, static_argnames=("options",))
+_jitted_attention = jax.jit(_attention, static_argnames=("options", "shared"))
 
 
 def _static_offset(query_offset: Any, is_causal: bool, query: Any, key: Any) -> tuple[int | None, Any]:
@@ -454,4 +457,8 @@ def dot_product_attention(
         sinks,
         dropout_rng,
     )
-    return _jitted_attention(query, key, value, bias, mask, traced, options=options)
+    # jit gives two arguments two tracers: one array given as key and value is passed once.
+    shared = value is key and key is not None
+    return _jitted_attention(
+        query, key, None if shared else value, bias, mask, traced, options=options, shared=shared
+    )

@@ -176,6 +176,40 @@ def test_non_finite_keys_and_values_as_in_reference(implementation):
         np.testing.assert_allclose(g, e, **F32_GRAD_TOL)
 
 
+@pytest.mark.parametrize("implementation", PATHS)
+def test_one_array_as_key_and_value_non_finite_as_in_reference(implementation):
+    """One array passed as both key and value (as MLA's absorbed decoding passes its latents):
+    the chunked kernel skips its check of the values there, so NaN must still fall exactly
+    where the reference puts it for two separate copies, with a bias of -inf and across
+    blocks; masked-out bad entries reach neither outputs nor gradients."""
+    query, key, _, mask, bias, _ = make_inputs(CASES["mask-bias"])  # H == Hv
+    mask = mask.copy()
+    mask[..., 4:] = False  # keys 4 and 5 are masked for every query
+    both = key.copy()
+    both[0, 4, 1, 0] = np.nan
+    both[1, 5, 0, 2] = np.inf
+    clean = both.copy()
+    both[0, 3, 1, 1] = np.nan  # attended by some rows of kv head 1
+    both[1, 0, 0, 3] = -np.inf  # attended by some rows of kv head 0
+    want = dot_product_attention(query, both, both.copy(), mask=mask, bias=bias, implementation="reference")
+    assert np.isnan(want).any() and np.isfinite(want).any()
+    out = dot_product_attention(query, both, both, mask=mask, bias=bias, implementation=implementation)
+    np.testing.assert_allclose(out, want, atol=F32_OUT_ATOL)  # NaN where want is NaN, and only there
+    blocks = jax.jit(functools.partial(chunked_attention, block_q=2, block_k=3))
+    np.testing.assert_allclose(blocks(query, both, both, mask=mask, bias=bias), want, atol=F32_OUT_ATOL)
+
+    def loss(query, both):
+        attend = dot_product_attention(query, both, both, mask=mask, bias=bias, implementation=implementation)
+        return jnp.sum(attend * jnp.cos(attend))
+
+    got = jax.grad(loss, argnums=(0, 1))(query, clean)  # bad entries at masked keys only
+    clean[0, 4, 1, 0] = clean[1, 5, 0, 2] = 0.0
+    expected = jax.grad(loss, argnums=(0, 1))(query, clean)
+    for g, e in zip(got, expected, strict=True):
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, e, **F32_GRAD_TOL)
+
+
 def test_chunked_non_finite_across_blocks():
     """The chunked kernel's NaN rules hold with several blocks, causal and masked."""
     query, key, value, mask, _, _ = make_inputs(CASES["causal-T>S-mask"])  # T 7, S 4
