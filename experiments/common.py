@@ -319,6 +319,12 @@ def config_sweep(module: ModuleType, variant: str | None) -> Any:
 # --- Errors while running ---------------------------------------------------------------------
 
 
+# A collective whose peer process is gone: its connection closed, or it never came to set one up.
+_PEER_GONE = re.compile(
+    r"Gloo .*(Connection closed by peer|Connection reset by peer|GetKeyValue\(\) timed out)"
+)
+
+
 @contextlib.contextmanager
 def training_errors() -> Iterator[None]:
     """What a training command can meet, each as one line and an exit code: 2 for a bad config
@@ -355,6 +361,13 @@ def training_errors() -> Iterator[None]:
             code=EXIT_INTERRUPTED,
         )
     except jax.errors.JaxRuntimeError as error:
+        if _PEER_GONE.search(str(error)):  # met in a collective, before JAX's coordinator noticed
+            sys.stderr.write(
+                "error: another process of this run stopped (" + str(error).splitlines()[0] + "); "
+                "this process stops too\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)  # JAX's exit handler would wait at a shutdown barrier the dead process never meets
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
         reason = str(error).splitlines()[0].split("RESOURCE_EXHAUSTED:", 1)[-1].strip()
@@ -379,6 +392,7 @@ def initialize_devices(distributed: bool = True) -> None:
         if not distributed:
             return
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        filter_peer_failures()
         jax.distributed.initialize(
             coordinator_address=FLAGS.coordinator,
             num_processes=FLAGS.num_processes,
@@ -386,6 +400,36 @@ def initialize_devices(distributed: bool = True) -> None:
         )
     elif FLAGS.num_processes != 1:
         fail(f"--num_processes={FLAGS.num_processes} needs --coordinator host:port", 2)
+
+
+def filter_peer_failures() -> None:
+    """Routes this process's stderr through experiments/peer_failure.py, which turns JAX's fatal
+    log for another process's death into one line (see that file for why a filter). Before
+    `jax.distributed.initialize`, so that its exit handler runs first; at exit this process's
+    stderr is closed and the filter given a few seconds to write what it holds."""
+    import atexit
+    import subprocess
+
+    sys.stderr.flush()
+    script = pathlib.Path(__file__).with_name("peer_failure.py")
+    # -I: the filter imports nothing from this checkout, and no site packages.
+    relay = subprocess.Popen(
+        [sys.executable, "-I", str(script)], stdin=subprocess.PIPE, stdout=2, close_fds=True
+    )
+    assert relay.stdin is not None
+    os.dup2(relay.stdin.fileno(), 2)
+    relay.stdin.close()
+
+    def drain() -> None:  # what JAX's own exit handler logs after this goes nowhere
+        sys.stderr.flush()
+        with open(os.devnull, "wb") as nowhere:
+            os.dup2(nowhere.fileno(), 2)
+        try:
+            relay.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    atexit.register(drain)
 
 
 def define_mesh_flag() -> None:

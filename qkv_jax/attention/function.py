@@ -279,6 +279,14 @@ def _attention(query, key, value, bias, mask, traced: _Traced, *, options: CallO
 _jitted_attention = jax.jit(_attention, static_argnames=("options", "shared"))
 
 
+def _call_jitted(query, key, value, *rest, options: CallOptions):
+    """`_jitted_attention`; jit gives two arguments two tracers, so one array given as both key
+    and value is passed once."""
+    if value is key and key is not None:
+        return _jitted_attention(query, key, None, *rest, options=options, shared=True)
+    return _jitted_attention(query, key, value, *rest, options=options)
+
+
 def _static_offset(query_offset: Any, is_causal: bool, query: Any, key: Any) -> tuple[int | None, Any]:
     """`(static offset, traced offset)`: an int is static, an array traced; None is a static 0,
     with the FutureWarning where it changed meaning (is_causal with T != S)."""
@@ -457,8 +465,4 @@ def dot_product_attention(
         sinks,
         dropout_rng,
     )
-    # jit gives two arguments two tracers: one array given as key and value is passed once.
-    shared = value is key and key is not None
-    return _jitted_attention(
-        query, key, None if shared else value, bias, mask, traced, options=options, shared=shared
-    )
+    return _call_jitted(query, key, value, bias, mask, traced, options=options)

@@ -13,7 +13,8 @@ sharding is `qkv_jax.sharding.param_shardings`'s; the logits (gathered) and the 
 over some of each process's devices. With "directory", process 0 also writes the directory that
 `save_pretrained` wrote from the global arrays (every process gathering each tensor with it).
 With "dies": PROCESS, that process dies at its first tensor and the other prints "loaded" after
-its own load, then waits at a collective.
+its own load, then waits at a collective; both send their stderr through the launchers' filter
+(`experiments.common.filter_peer_failures`).
 """
 
 import json
@@ -26,6 +27,10 @@ import jax
 spec = json.loads(sys.argv[1])
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if "dies" in spec:  # stderr through the launchers' filter, as experiments.common sets it up
+    from experiments.common import filter_peer_failures
+
+    filter_peer_failures()
 jax.distributed.initialize(
     coordinator_address=spec["coordinator"],
     num_processes=2,
