@@ -490,17 +490,8 @@ def runs(tmp_path_factory):
     finetuning.train.init_from, finetuning.data.path = str(root / "llama"), str(root / "text.txt")
     (root / "finetuning" / PRETRAINED_DIR).mkdir(parents=True)
     (root / "finetuning" / "config.json").write_text(finetuning.to_json())
-    llama = dict(
-        model_type="llama",
-        vocab_size=120,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    (root / "finetuning" / PRETRAINED_DIR / "config.json").write_text(json.dumps(llama))
+    llama = tiny_checkpoints.hf_config("llama", 120).to_json_string()
+    (root / "finetuning" / PRETRAINED_DIR / "config.json").write_text(llama)
     return root
 
 
