@@ -293,24 +293,24 @@ def _record(state: DecodeState, logits: Array, inputs: Inputs, top_k: int | None
     )
 
 
-def start(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int, top_k: int | None):
-    """The prefill: the first `prefill` positions of every prompt through `step(cache, tokens [B,
-    T]) -> (logits [B, T, V], cache)`, then the token at position `prefill`. Returns a `DecodeState`."""
+def start(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int) -> DecodeState:
+    """The prefill: the first `prefill - 1` positions of every prompt through `step(cache, tokens
+    [B, T]) -> (logits [B, T, V], cache)`. Returns a `DecodeState` whose `token` is each prompt's
+    token at position `prefill - 1`, which the first decode step feeds: the one-token step is
+    then traced and compiled once, in `advance`, not also here."""
     if prefill > 1:  # its logits are unused, so XLA drops the vocabulary head of these positions
         _, cache = step(cache, inputs.prompt[:, : prefill - 1])
-    logits, cache = step(cache, inputs.prompt[:, prefill - 1 : prefill])  # (B, 1, V)
     batch = inputs.prompt.shape[0]
     fill = jnp.maximum(inputs.eos[0], 0)  # what follows a row's end-of-text
-    state = DecodeState(
+    return DecodeState(
         cache=cache,
-        token=jnp.zeros(batch, jnp.int32),
+        token=inputs.prompt[:, prefill - 1],
         position=jnp.array(prefill - 1, jnp.int32),
         tokens=jnp.full((batch, out_width), fill, jnp.int32),
         logprobs=jnp.zeros((batch, out_width), jnp.float32),
         produced=jnp.zeros(batch, jnp.int32),
         done=inputs.lengths == 0,  # padding rows
     )
-    return _record(state, logits[:, -1], inputs, top_k)
 
 
 def advance(step: Step, state: DecodeState, inputs: Inputs, steps: int, top_k: int | None) -> DecodeState:
@@ -331,7 +331,7 @@ def decode(step: Step, cache: Any, inputs: Inputs, prefill: int, out_width: int,
     def running(state: DecodeState) -> Array:
         return ~jnp.all(state.done) & (state.position < last)
 
-    state = start(step, cache, inputs, prefill, out_width, top_k)
+    state = start(step, cache, inputs, prefill, out_width)
     return lax.while_loop(running, lambda s: advance(step, s, inputs, CHUNK_STEPS, top_k), state)
 
 
@@ -520,9 +520,9 @@ def run_request(
     return (tokens, logprobs) if return_logprobs else tokens
 
 
-def _start_linen(model, params, inputs, prefill, out_width, cache_length, top_k, mesh=None):
+def _start_linen(model, params, inputs, prefill, out_width, cache_length, mesh=None):
     cache = zeroed_cache(model, inputs.prompt.shape[0], cache_length, mesh)
-    return start(linen_step(model, params), cache, inputs, prefill, out_width, top_k)
+    return start(linen_step(model, params), cache, inputs, prefill, out_width)
 
 
 def _advance_linen(model, params, state, inputs, top_k):
@@ -530,31 +530,32 @@ def _advance_linen(model, params, state, inputs, top_k):
 
 
 _compiled_start = jax.jit(
-    _start_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "top_k", "mesh")
+    _start_linen, static_argnames=("model", "prefill", "out_width", "cache_length", "mesh")
 )
 _compiled_advance = jax.jit(_advance_linen, static_argnames=("model", "top_k"), donate_argnames="state")
 
 
 def stream(model: Any, params: Any, prompts: Any, max_new_tokens: int, **settings: Any) -> Iterator[list]:
     """`generate` of a linen `TransformerLM` a few steps at a time: yields each row's new tokens
-    so far (a list of 1-D int32 NumPy arrays, ending at an end-of-text) after the prefill and
-    after every `CHUNK_STEPS` decode steps, until every row has finished. `settings`:
+    so far (a list of 1-D int32 NumPy arrays, ending at an end-of-text) after every
+    `CHUNK_STEPS` decode steps (the first feeds the prefill's last prompt token), until every
+    row has finished. `settings`:
     `generate`'s rng, temperature, top_k, top_p and eos_token_id (the checks run before the
     first token)."""
     settings = dict(dict(rng=None, temperature=1.0, top_k=None, top_p=None, eos_token_id=None), **settings)
     request, inputs = checked_request(model, prompts, max_new_tokens, settings)
     top_k = settings["top_k"]
     static = dict(prefill=request.prefill, out_width=request.out_width, cache_length=request.cache_length)
-    state = _compiled_start(model, params, inputs, top_k=top_k, mesh=mesh_of(params), **static)
+    state = _compiled_start(model, params, inputs, mesh=mesh_of(params), **static)
     last = int(request.lengths.max()) + max_new_tokens - 1  # the last position a row needs
     while True:
+        state = _compiled_advance(model, params, state, inputs, top_k=top_k)
         tokens, produced, done, position = jax.device_get(
             (state.tokens, state.produced, state.done, state.position)
         )
         yield [tokens[i, : produced[i]] for i in range(request.rows)]
         if done.all() or position >= last:
             return
-        state = _compiled_advance(model, params, state, inputs, top_k=top_k)
 
 
 def sample_with_cache(
