@@ -404,9 +404,10 @@ def initialize_devices(distributed: bool = True) -> None:
 
 def filter_peer_failures() -> None:
     """Routes this process's stderr through experiments/peer_failure.py, which turns JAX's fatal
-    log for another process's death into one line (see that file for why a filter). Before
-    `jax.distributed.initialize`, so that its exit handler runs first; at exit this process's
-    stderr is closed and the filter given a few seconds to write what it holds."""
+    log for another process's death into one line (see that file for why a filter); called
+    before `jax.distributed.initialize`. At exit (this handler runs before JAX's own, registered
+    when jax was imported) stderr is pointed at /dev/null, so that the filter sees its end and
+    writes what it holds (given up to 5 s); what JAX's exit handler logs after that is dropped."""
     import atexit
     import subprocess
 

@@ -282,7 +282,7 @@ _jitted_attention = jax.jit(_attention, static_argnames=("options", "shared"))
 def _call_jitted(query, key, value, *rest, options: CallOptions):
     """`_jitted_attention`; jit gives two arguments two tracers, so one array given as both key
     and value is passed once."""
-    if value is key and key is not None:
+    if value is key:
         return _jitted_attention(query, key, None, *rest, options=options, shared=True)
     return _jitted_attention(query, key, value, *rest, options=options)
 
