@@ -133,10 +133,13 @@ def attend_heads(
     bias: Array | None = None,
     soft_cap: float | None = None,
     sinks: Array | None = None,
+    dtype: Any = None,
 ) -> tuple[Array, Array]:
     """The attention of `heads` (query heads) again, explicitly, with their scores and pattern hooked.
 
-    `output` `[..., T, N, Hv]` is the attention's result on its own path;
+    `output` `[..., T, N, Hv]` is the attention's result on its own path, or
+    None when `heads` are every head in order (the result is then theirs alone,
+    in `dtype`, default the query's);
     `query` `[..., T, N, H]`, `key` `[..., S, K, H]`, `value` `[..., S, K, Hv]`
     (query head n reads kv head n // (N / K)); `allowed` boolean,
     broadcastable to `[..., N|1, T, S]`; `bias` `[..., N|1, T|1, S|1]`,
@@ -146,10 +149,11 @@ def attend_heads(
     `hook("hook_attn_scores", .)`, their softmax through `hook("hook_pattern", .)`,
     and pattern @ V in place of those heads' outputs. Returns (output, pattern).
     """
-    N, K = query.shape[-2], key.shape[-2]
-    picked = jnp.array(heads)  # (n,)
-    kv = picked // (N // K)  # (n,): each head's kv head
+    N = query.shape[-2]
+    every = heads == tuple(range(N))
+    picked = slice(None) if every else jnp.array(heads)  # every head: no gathers
     compute_dtype = jnp.promote_types(jnp.result_type(query, key), jnp.float32)
+    kv = jnp.array(heads) // (N // key.shape[-2])  # (n,): each head's kv head
     scores = jnp.einsum(
         "...tnh,...snh->...nts",
         query[..., picked, :],
@@ -175,4 +179,7 @@ def attend_heads(
     blended = jnp.einsum(
         "...nts,...snv->...tnv", pattern, value[..., kv, :].astype(pattern.dtype), precision=precision
     )  # (..., T, n, Hv)
+    if every:
+        target = output.dtype if output is not None else (query.dtype if dtype is None else dtype)
+        return blended.astype(target), pattern
     return output.at[..., picked, :].set(blended.astype(output.dtype)), pattern

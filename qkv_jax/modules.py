@@ -1066,13 +1066,20 @@ def _attend_requested(
     *,
     scale: Any,
     bias: Array | None = None,
+    sown: Any = None,
 ) -> Array:
-    """`attend` (the attention on its own path), then the requested heads' patterns (`attend_heads`)."""
-    output = attend(query, key, value, scale=scale, bias=bias)  # (..., T, N, Hv)
+    """`attend` (the attention on its own path), then the requested heads' patterns (`attend_heads`).
+    With every head requested in order the explicit path gives the whole output, so the default
+    `attention_fn` is not also run, unless it sows its weights into `sown` (a custom one always
+    runs: it may do more than attend)."""
+    heads = layers.request.pattern_heads
+    every = heads == tuple(range(query.shape[-2]))
+    replaced = every and settings.attention_fn is flax_dot_product_attention and sown is None
+    output = None if replaced else attend(query, key, value, scale=scale, bias=bias)  # (..., T, N, Hv)
     allowed = and_masks(mask, visible_keys(keys, query.shape[-3], key.shape[-3]))
     output, _ = attend_heads(
         layers.hook,
-        layers.request.pattern_heads,
+        heads,
         output,
         query,
         key,
@@ -1083,6 +1090,7 @@ def _attend_requested(
         bias=bias,
         soft_cap=settings.attn_logits_soft_cap,
         sinks=layers.sinks,
+        dtype=jnp.result_type(query, key, value) if settings.dtype is None else settings.dtype,
     )
     return output
 
@@ -1096,7 +1104,12 @@ def _project_out(settings: AttentionOptions, layers: AttentionLayers, z: Array) 
     params = layers.params("out")
     kernel = effective_kernel(params, settings.lora_alpha)  # (N, Hv, D_out)
     z, kernel = nn.dtypes.promote_dtype(z, kernel, dtype=settings.dtype)
-    results = jnp.einsum("...tnv,nvd->...tnd", z, kernel, precision=settings.precision)  # (..., T, N, D_out)
+    # Heads leading, as the product leaves them: from einsum's "...tnv,nvd->...tnd" XLA:CPU wrote
+    # (N, D, T) and copied it twice. At Qwen2.5-0.5B's shape and 512 tokens the product with its
+    # copies takes 22 ms a layer against 39 ms, with bit-identical values.
+    by_head = jnp.moveaxis(z, -2, 0)  # (N, ..., T, Hv)
+    dims = (((by_head.ndim - 1,), (1,)), ((0,), (0,)))
+    results = jnp.moveaxis(lax.dot_general(by_head, kernel, dims, precision=settings.precision), 0, -2)
     output = jnp.sum(layers.hook("hook_result", results), axis=-2)  # (..., T, D_out)
     if "bias" not in params:
         return output
@@ -1146,7 +1159,7 @@ def attend_entries(
         dropping = not deterministic and settings.dropout_rate > 0.0
         heads = layers.request.pattern_heads
         _check_pattern_request(OWNER, heads, settings.num_heads, dropping)
-        attend = functools.partial(_attend_requested, settings, layers, attend, mask, keys)
+        attend = functools.partial(_attend_requested, settings, layers, attend, mask, keys, sown=sow_module)
     if "latent" not in entries:
         output = attend(query, entries["key"], entries["value"], scale=settings.scale)  # (..., T, N, Hv)
     elif decoding and settings.absorb_latent:

@@ -299,7 +299,8 @@ def run_with_cache(
         every attention (`(0, 3)`), or per attention `{layer: heads}` (or
         `{"blocks.0.attn": heads}`); an attention not in the mapping gives
         every head. Only those heads' `[..., n, T, S]` are built, beside the
-        attention's own path (chunked, cuDNN, XLA, absorbed MLA).
+        attention's own path (chunked, cuDNN, XLA, absorbed MLA); with every
+        head, they give the whole output and the default path is not run.
       hooks: `{name: fn(activation, name) -> activation}` applied in the
         same run (`run_with_hooks`); captures see what they return.
       to_host: each cached activation is moved to host memory as it is

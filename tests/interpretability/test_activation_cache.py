@@ -295,6 +295,42 @@ def test_block_and_attention_alone_have_the_names_without_the_prefix():
     np.testing.assert_allclose(acts["hook_pattern"], pattern, rtol=1e-5, atol=1e-5)
 
 
+def test_every_heads_pattern_replaces_the_default_path_but_not_a_sower_or_a_custom_attention_fn(monkeypatch):
+    """With every head's pattern asked for, the explicit path gives the whole output: the default
+    attention function is skipped, except where it sows its weights; a custom one still runs."""
+    from qkv_jax import modules
+
+    calls = []
+    inner = modules.dot_product_attention
+    monkeypatch.setattr(modules, "dot_product_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
+
+    @functools.wraps(modules.flax_dot_product_attention)  # its signature: the module passes what it takes
+    def custom(*args, **kwargs):
+        return modules.flax_dot_product_attention(*args, **kwargs)
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, D))
+    keep = lambda n: n == "hook_pattern"  # noqa: E731
+    cases = [(modules.flax_dot_product_attention, None, 0), (modules.flax_dot_product_attention, (1, 0), 1)]
+    cases += [(modules.flax_dot_product_attention, (0, 2), 1), (custom, None, 1)]
+    for attention_fn, heads, runs in cases:
+        attention = MultiHeadAttention(num_heads=N, num_kv_heads=2, is_causal=True, attention_fn=attention_fn)
+        variables = attention.init(jax.random.PRNGKey(2), x)
+        want = attention.apply(variables, x)
+        calls.clear()
+        out, acts = run_with_cache(attention, variables, x, names_filter=keep, pattern_heads=heads)
+        assert len(calls) == runs, (attention_fn, heads)
+        np.testing.assert_allclose(out, want, atol=1e-6)
+        assert acts["hook_pattern"].shape == (2, N if heads is None else len(heads), 5, 5)
+    attention = MultiHeadAttention(num_heads=N, num_kv_heads=2, is_causal=True, sow_weights=True)
+    variables = attention.init(jax.random.PRNGKey(2), x)
+    calls.clear()
+    (out, state), acts = run_with_cache(attention, variables, x, names_filter=keep, mutable=["intermediates"])
+    assert len(calls) == 1
+    np.testing.assert_allclose(
+        state["intermediates"]["attention_weights"][0], acts["hook_pattern"], atol=1e-6
+    )
+
+
 @pytest.mark.slow
 def test_to_host_returns_the_same_activations_in_host_memory():
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, D))
