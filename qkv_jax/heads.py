@@ -122,7 +122,7 @@ def _check_pattern_request(owner: str, heads: tuple[int, ...], num_heads: int, d
 def attend_heads(
     hook: Callable[[str, Array], Array],
     heads: tuple[int, ...],
-    output: Array,
+    output: Array | None,
     query: Array,
     key: Array,
     value: Array,
@@ -182,4 +182,6 @@ def attend_heads(
     if every:
         target = output.dtype if output is not None else (query.dtype if dtype is None else dtype)
         return blended.astype(target), pattern
+    if output is None:
+        raise ValueError(f"attend_heads: output=None needs every head in order, got heads={heads}")
     return output.at[..., picked, :].set(blended.astype(output.dtype)), pattern
