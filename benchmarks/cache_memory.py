@@ -8,7 +8,8 @@ transformers writes the checkpoint (benchmarks/versus_transformers.py's SHAPE: 2
 d_model 896, 14/2 heads of 64, MLP 4864, a 151936-token vocabulary) into a temporary
 directory and reads it once into the page cache; qkv_jax reads it with
 `qkv_jax.load_pretrained`. Each case runs in a fresh process: imports, its resident memory
-(VmRSS, the baseline), the load, a first call (qkv_jax: its compile), a second call; reported
+(VmRSS, the baseline), the load, a first call (qkv_jax: its compile), a second call once the
+first call's arrays are released (`versus_transformers.settle`); reported
 is the peak resident memory of the whole process (VmHWM) above the baseline, beside the
 parameters' bytes and the bytes the call returns.
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.common import PYTHON, ROOT, last_json_line, write_results  # noqa: E402
 from benchmarks.versus_transformers import (  # noqa: E402
     SHAPE,
+    settle,
     status_bytes,
     tokens_of,
     transformers_cache,
@@ -109,6 +111,7 @@ def measure(case: str, directory: str, count: int, layer: int) -> dict:
         else qkv_jax_call(case, directory, tokens, layer)
     )
     call()
+    settle()  # the first call's arrays released: the peak is one call's, not two overlapping
     info = call()
     return {**info, "peak_above_baseline_bytes": status_bytes("VmHWM") - baseline}
 
@@ -130,7 +133,8 @@ def report(args, runs: dict[str, dict]) -> None:
         f"One forward pass of {args.tokens} tokens (batch 1) on a random Qwen2.5-0.5B-shaped checkpoint "
         "written by transformers (24 layers, d_model 896, 14/2 heads of 64, MLP 4864, 151936-token "
         "vocabulary), float32, read by qkv_jax.load_pretrained; each case in a fresh process, its peak "
-        "resident memory (load, compile, two calls) above its memory after imports. one_pattern: "
+        "resident memory (load, compile, two calls, the second once the first call's arrays are released) "
+        "above its memory after imports. one_pattern: "
         f'names_filter="blocks.{args.layer}.attn.hook_pattern"; every_hook: every hook name; '
         "lens_default: every name but hook_result (TransformerLens's default); as_transformers: every "
         "hook_resid_pre, the last hook_resid_post and every hook_pattern (what transformers returns); "

@@ -110,6 +110,24 @@ def reset_peak() -> None:
     pathlib.Path("/proc/self/clear_refs").write_text("5")
 
 
+def settle(timeout: float = 3.0) -> None:
+    """Waits until the previous call's arrays are released: a garbage collection, then until the
+    resident memory stops falling (4 readings 50 ms apart within 1 MiB; at most `timeout` s).
+    A jax.Array's memory is not all released when its last name goes: part of it waits for the
+    garbage collector and part goes a moment later (on this benchmark's 0.5B model with every
+    hook, 4.6 GiB resident right after a call, 3.2 after gc.collect(), 2.4 a second later), so
+    back-to-back calls overlap and their peak is not one call's."""
+    import gc
+
+    gc.collect()
+    deadline, readings = time.perf_counter() + timeout, [status_bytes("VmRSS")]
+    while time.perf_counter() < deadline and not (
+        len(readings) >= 4 and max(readings[-4:]) - min(readings[-4:]) < 1 << 20
+    ):
+        time.sleep(0.05)
+        readings.append(status_bytes("VmRSS"))
+
+
 def tokens_of(count: int, vocab: int):
     import numpy as np
 
@@ -416,9 +434,11 @@ def measure(part: str, case: str, directory: str, count: int, steps: int) -> dic
     first = call()
     first_seconds = time.perf_counter() - started
     load_peak = status_bytes("VmHWM")
+    settle()
     reset_peak()
     times, info = [], first
     for _ in range(steps):
+        settle()  # one call's peak: the previous call's arrays released first
         started = time.perf_counter()
         info = call()
         times.append(time.perf_counter() - started)
@@ -633,8 +653,9 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
         f"{agreement['tokens']} tokens the two libraries' logits differ by "
         f"{agreement['relative_difference']:.1e} of the largest logit.{first_losses} Each case in a fresh "
         f"process, {args.rounds} rounds alternating, {args.steps} timed calls per process after a first "
-        "call (qkv_jax: its compile); median time, largest peak resident memory above the process's memory "
-        "after imports. Threads: transformers "
+        "call (qkv_jax: its compile), each after the previous call's arrays are released (garbage "
+        "collected, resident memory settled); median time, largest peak resident memory above the "
+        "process's memory after imports. Threads: transformers "
         f"torch.set_num_threads({threads['torch_num_threads']}) "
         f"(interop {threads['torch_num_interop_threads']}), qkv_jax XLA's default (one thread per core, "
         f"{os.cpu_count()} cores, XLA_FLAGS empty). Load average (1, 5, 15 min) {before} before and "
