@@ -183,11 +183,13 @@ def test_the_cache_holds_the_requests_bucket_not_the_models_positions():
 def test_another_prompt_length_in_the_bucket_compiles_nothing():
     built = build("qwen2")
     greedy = functools.partial(generation.generate, built.model, built.params, temperature=0.0)
+    programs = (generation._compiled_start, generation._compiled_finish)  # the prefill and the loop
     greedy(np.ones((2, 17), np.int32), 5)
-    compiled = generation.compiled_decode._cache_size()
+    compiled = [program._cache_size() for program in programs]
+    assert compiled[0] >= 1 and compiled[1] >= 1
     greedy(np.ones((2, 20), np.int32), 6)  # prompt width 32, output 16, prefill 16, batch 2: one bucket
     greedy([np.ones(18, np.int32), np.ones(30, np.int32)], 7)
-    assert generation.compiled_decode._cache_size() == compiled
+    assert [program._cache_size() for program in programs] == compiled
 
 
 def filtered_distribution(built: Built, prompt: np.ndarray, temperature: float, top_k, top_p) -> np.ndarray:
