@@ -403,11 +403,24 @@ def _finish_linen(model, params, state, inputs, top_k):
 _compiled_finish = jax.jit(_finish_linen, static_argnames=("model", "top_k"), donate_argnames="state")
 
 
+# What `compiled_decode` has compiled side by side already (its `_signature`s): a later call with
+# the same signature skips the lowering, which on a tiny model was 1.3 ms of a 4.7 ms call.
+_PRECOMPILED: set[tuple] = set()
+
+
 def _one_device(params: Any) -> SingleDeviceSharding | None:
     """The one device every array of `params` lives on (its sharding), else None."""
     shardings = {leaf.sharding for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array)}
     (sharding,) = shardings if len(shardings) == 1 else (None,)
     return sharding if isinstance(sharding, SingleDeviceSharding) else None
+
+
+def _signature(model: Any, params: Any, inputs: Inputs, device: Any, top_k: Any, static: dict) -> tuple:
+    """What the two programs compile for, as far as a call can tell cheaply: a signature missed
+    only compiles again (one after the other, on first use), never computes anything else."""
+    shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(inputs))
+    dtypes = frozenset(leaf.dtype for leaf in jax.tree.leaves(params))
+    return (model, jax.tree.structure(params), dtypes, shapes, device, top_k, tuple(sorted(static.items())))
 
 
 def compiled_decode(model: Any, params: Any, inputs: Inputs, *, top_k: int | None, mesh=None, **static):
@@ -418,7 +431,8 @@ def compiled_decode(model: Any, params: Any, inputs: Inputs, *, top_k: int | Non
     prompt tokens) compiled as one program in 5.7 s; as these two, 4.9 s one after the other
     and 3.9 s side by side on 2 cores. `static`: prefill, out_width, cache_length."""
     device = _one_device(params)
-    if device is not None:  # else (a mesh): each compiled on its first use, one after the other
+    signature = _signature(model, params, inputs, device, top_k, static)
+    if device is not None and signature not in _PRECOMPILED:  # else each compiled on first use
         starting = _compiled_start.lower(model, params, inputs, mesh=mesh, **static)
         state = jax.tree.map(  # the prefill's outputs as the call will pass them: on params' device
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device, weak_type=s.weak_type),
@@ -429,6 +443,7 @@ def compiled_decode(model: Any, params: Any, inputs: Inputs, *, top_k: int | Non
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for compiling in [pool.submit(program.compile) for program in (starting, finishing)]:
                 compiling.result()
+        _PRECOMPILED.add(signature)
     state = _compiled_start(model, params, inputs, mesh=mesh, **static)
     state = _compiled_finish(model, params, state, inputs, top_k=top_k)
     return state.tokens, state.logprobs, state.produced
