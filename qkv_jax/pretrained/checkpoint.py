@@ -4,9 +4,11 @@
   read_json        a JSON object from a file (config.json, model.safetensors.index.json)
   TensorSource     the tensors of `model.safetensors`, or of the shards that
                    `model.safetensors.index.json` names, read one at a time by name
+  aligned_buffer   memory that XLA's CPU client keeps without a copy
 
-Tensors are read with the `safetensors` package (`safe_open`, numpy, the `pread` backend: a
-tensor is read into memory of its own and no mapped file stays resident), so a loader that
+A tensor's header is read with the `safetensors` package (`safe_open`), its bytes with `os.preadv`
+into memory of its own, or, for a loader that copies it into another layout at once, through a
+mapping of the file that ends with the view; no mapped file stays resident, so a loader that
 converts each tensor and drops it holds one tensor beside the model at any moment. Nothing
 here writes to the directory. bfloat16 tensors come as `ml_dtypes.bfloat16` numpy arrays.
 """
@@ -23,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-__all__ = ["INDEX", "SINGLE", "DTYPES", "PretrainedError", "read_json", "TensorSource"]
+__all__ = ["INDEX", "SINGLE", "DTYPES", "PretrainedError", "read_json", "TensorSource", "aligned_buffer"]
 
 # The weight files of a Hugging Face directory: one file, or shards listed by an index.
 SINGLE = "model.safetensors"
@@ -238,12 +240,17 @@ class TensorSource:
         self._read.add(name)
         self.recent.append(name)
 
-    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    def read_slice(self, name: str, index: tuple[slice, ...], *, mapped: bool = False) -> np.ndarray:
         """The block `index` (one slice per axis) of tensor `name`: a block of whole rows (the
         whole tensor included) is one range of the file, read into memory aligned for JAX to
         use without another copy (`read_rows`); any other block is read as the whole rows it
-        spans (one range, no page faults of a memory map) and its columns copied out."""
+        spans (one range, no page faults of a memory map) and its columns copied out. With
+        `mapped`, a read-only view of those rows in a mapping of the file (`map_rows`): for a
+        caller that copies the block into a layout of its own, reading it only once."""
         stored = self.shape(name)
+        if mapped:
+            rows = index[0].indices(stored[0])[:2]
+            return self.map_rows(name, *rows)[(slice(None), *index[1:])]
         if all(
             (s.start or 0) == 0 and s.stop in (None, n) for s, n in zip(index[1:], stored[1:], strict=True)
         ):
@@ -251,7 +258,7 @@ class TensorSource:
             return self.read_rows(name, *rows)
         spanned = self.read_rows(name, *index[0].indices(stored[0])[:2])  # whole rows: one range
         part = spanned[(slice(None), *index[1:])]  # (rows, the block's columns)
-        block = _aligned_buffer(part.nbytes).view(part.dtype).reshape(part.shape)
+        block = aligned_buffer(part.nbytes).view(part.dtype).reshape(part.shape)
         block[...] = part
         return block
 
@@ -261,7 +268,7 @@ class TensorSource:
         path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
         row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
         offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
-        block = _aligned_buffer(nbytes)
+        block = aligned_buffer(nbytes)
         with open(path, "rb", buffering=0) as file:
             done = 0
             while done < nbytes:  # one call reads at most about 2 GiB
@@ -270,6 +277,26 @@ class TensorSource:
                     raise PretrainedError(f"{path}: tensor {name!r} cannot be read (the file ends early)")
                 done += read
         return block.view(dtype).reshape((stop - start, *stored[1:]) if stored else ())
+
+    def map_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows `start:stop` of tensor `name` as a read-only view of a mapping of its file: nothing
+        is copied, the pages are read when first touched, and the mapping ends with the view (no
+        mapped file stays resident). A file shorter than its header says is refused here, before
+        a page past its end could be touched."""
+        path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
+        row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
+        offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
+        shape = (stop - start, *stored[1:])
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size < offset + nbytes:
+                raise PretrainedError(f"{path}: tensor {name!r} cannot be read (the file ends early)")
+            if nbytes == 0:
+                return np.empty(shape, dtype)
+            begin = offset - offset % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(file.fileno(), offset + nbytes - begin, offset=begin, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_WILLNEED"):  # from a cold cache: read ahead, not page by page
+            mapping.madvise(mmap.MADV_WILLNEED)
+        return np.frombuffer(mapping, dtype, nbytes // dtype.itemsize, offset - begin).reshape(shape)
 
     def _data_offset(self, path: pathlib.Path, name: str) -> int:
         """Where tensor `name`'s bytes begin in `path` (from its header)."""
@@ -303,10 +330,12 @@ class TensorSource:
         return totals
 
 
-def _aligned_buffer(nbytes: int) -> np.ndarray:
+def aligned_buffer(nbytes: int) -> np.ndarray:
     """`nbytes` of uint8 at an ALIGNMENT-aligned address. A large one is an anonymous mapping
-    that asks for transparent huge pages (where the kernel leaves that to madvise), which
-    the first write fills several times faster than 4 KiB pages."""
+    of its own that asks for transparent huge pages; being shared memory, it gets them only
+    where the kernel's `shmem_enabled` allows, else 4 KiB pages. (Private memory asking for
+    them, as numpy's large arrays do, took 0.29 s on some runs and 4 to 5 s on others to write
+    2.47 GB on one machine, the kernel compacting memory first; 4 KiB pages 0.8 to 1 s.)"""
     if nbytes >= max(HUGE_PAGE_BYTES, 1) and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping = mmap.mmap(-1, nbytes)  # page-aligned
         mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -15,7 +15,6 @@ the family does not read is refused as unexpected. Nothing is written to `direct
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import pathlib
@@ -123,7 +122,7 @@ def _param_dtype(tensors: TensorSource, dtype: Any) -> np.dtype:
 
 
 # Tensors read, transferred and converted at once, each in a thread of its own: one is read
-# (os.preadv releases the GIL) while the one before converts.
+# (os.preadv and numpy's copies release the GIL) while another converts.
 IN_FLIGHT = 2
 
 
@@ -185,18 +184,22 @@ def read_params(
     params: dict[str, Any] = {}
     placed: set[str] = set()
     with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
-        in_flight: collections.deque = collections.deque()  # (path, its placement), oldest first
+        in_flight: dict[concurrent.futures.Future, str] = {}  # a placement -> its path
         for path, array in _family_arrays(family, config, tensors):
             _check_shape(tensors, expected, placed, path, tuple(array.shape))
-            in_flight.append(
-                (path, pool.submit(place, array, sharding_of(path, tuple(array.shape), mesh), dtype))
-            )
+            _place(params, path, None)  # its place in the tree, in the checkpoint's order
+            placing = pool.submit(place, array, sharding_of(path, tuple(array.shape), mesh), dtype)
+            in_flight[placing] = path
             placed.add(path)
             del array
-            while len(in_flight) >= IN_FLIGHT or (in_flight and in_flight[0][1].done()):
-                _settle(params, *in_flight.popleft())
-        while in_flight:
-            _settle(params, *in_flight.popleft())
+            # the next tensor is read as soon as any placement is done: one large tensor
+            # (an embedding) does not hold up the small ones behind it
+            if len(in_flight) >= IN_FLIGHT:
+                concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for done in [placing for placing in in_flight if placing.done()]:
+                _settle(params, in_flight.pop(done), done)
+        for placing in list(in_flight):
+            _settle(params, in_flight.pop(placing), placing)
     _check_complete(family, config, tensors, expected, placed)
     return params
 

@@ -94,9 +94,12 @@ def computations(config):
 def run(directory, mesh, tokens, adapters, workflows):
     """The results of `workflows` after one load (mesh None: one device), and where the
     parameters and the cached activations live. On a family's own mesh every tensor takes the
-    large-tensor path (converted on the devices by one program), whose results must equal the
-    one-device load's (small tensors converted by numpy)."""
-    placing.ON_DEVICE_BYTES = 0 if mesh is not None and workflows else SMALL_ON_DEVICE
+    large-tensor path (converted on the devices by one program, as on accelerators), whose
+    results must equal the one-device load's (small tensors converted by numpy, transposed ones
+    on the host); on the other meshes transposed tensors are copied on the host, block by block."""
+    own = mesh is not None and workflows
+    placing.ON_DEVICE_BYTES = 0 if own else SMALL_ON_DEVICE
+    placing.HOST_TRANSPOSES = not own
     config, params = load_pretrained(directory, mesh=mesh)
     placement = {
         "/".join(str(k.key) for k in path): {
@@ -106,7 +109,7 @@ def run(directory, mesh, tokens, adapters, workflows):
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)
     }
     if workflows is None:
-        return {}, placement, {}
+        return {"params": params}, placement, {}
     model, cached_and_swept, lora_step = computations(config)
     if mesh is not None:
         tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
@@ -175,7 +178,7 @@ def main():
     out = {}
     for name, directory in spec["directories"].items():
         workflows, own_mesh = spec["workflows"][name], tuple(spec["own_mesh"][name])
-        config, _ = load_pretrained(directory)
+        config, one_device = load_pretrained(directory)
         tokens = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, T)).astype(np.int32)
         with_lora = lm.TransformerLM(dataclasses.replace(config, lora_rank=2))
         fresh = with_lora.init(jax.random.PRNGKey(1), tokens[:1])
@@ -187,8 +190,16 @@ def main():
             mesh = make_mesh(data, model)
             asked = workflows if own else None
             results, placement, cache_specs = run(directory, mesh, tokens, adapters, asked)
+            pairs = (
+                []
+                if own
+                else zip(jax.tree.leaves(results["params"]), jax.tree.leaves(one_device), strict=True)
+            )
             out[name][f"{data}x{model}"] = {
                 "errors": compare(results, reference) if own else {},
+                "params_equal": all(
+                    np.array_equal(ours, theirs) for ours, theirs in pairs
+                ),  # the host's copies
                 "placement": placement,
                 "cache_specs": cache_specs,
             }

@@ -216,6 +216,7 @@ def test_blocks_converted_on_the_device_and_read_into_huge_pages_load_the_same(l
     from qkv_jax.pretrained import placement
 
     monkeypatch.setattr(placement, "ON_DEVICE_BYTES", 0)
+    monkeypatch.setattr(placement, "HOST_TRANSPOSES", False)  # the accelerators' path
     monkeypatch.setattr(checkpoint_module, "HUGE_PAGE_BYTES", 0)
     for dtype in (None, jnp.bfloat16):
         _, params = load_pretrained(llama[0], dtype=dtype)
@@ -224,6 +225,58 @@ def test_blocks_converted_on_the_device_and_read_into_huge_pages_load_the_same(l
                 np.asarray(reference) if dtype is None else np.asarray(reference).astype(ml_dtypes.bfloat16)
             )
             np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float16, np.int8, np.complex64])
+def test_tiled_transposed_copies_equal_numpy_transposes(dtype):
+    """Shapes that fill no tile, a part of one and many with a remainder, and a strided view (a
+    block of columns): contiguous, 64-byte aligned, equal to numpy's transpose."""
+    from qkv_jax.pretrained.placement import transposed
+
+    rng = np.random.default_rng(0)
+    for shape in [(1, 1), (3, 700), (130, 1030), (64, 512)]:
+        matrix = (rng.standard_normal(shape) * 50).astype(dtype)
+        for view in (matrix, matrix[:, 1:-1] if shape[1] > 2 else matrix):
+            result = transposed(view)
+            assert result.flags.c_contiguous and result.ctypes.data % 64 == 0
+            assert result.dtype == view.dtype
+            np.testing.assert_array_equal(result, view.T)
+
+
+def test_transposed_layouts_on_a_cpu_are_copied_on_the_host(llama, loaded, monkeypatch):
+    """On a CPU, the kernels that a layout transposes are copied in tiles on the host, from the
+    mapped file (the same params as the devices' path); a cast takes the devices' path."""
+    from qkv_jax.pretrained import placement
+
+    copied = []
+    tiled = placement.transposed
+    monkeypatch.setattr(placement, "transposed", lambda matrix: copied.append(matrix.shape) or tiled(matrix))
+    _, params = load_pretrained(llama[0])
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    kernels = [leaf for path, leaf in leaves if "kernel" in jax.tree_util.keystr(path)]
+    # every kernel, as torch's Linear stores them ([out, in]; the heads' kernels flattened)
+    assert sorted(int(np.prod(shape)) for shape in copied) == sorted(kernel.size for kernel in kernels)
+    for ours, reference in zip(jax.tree.leaves(params), jax.tree.leaves(loaded[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(reference))
+    copied.clear()
+    load_pretrained(llama[0], dtype=jnp.bfloat16)
+    assert copied == []
+
+
+def test_a_file_cut_short_after_it_was_opened_is_refused_before_it_is_mapped(tmp_path, llama):
+    """A file shorter than its header says is refused in one line, never mapped past its end
+    (touching such a page would kill the process)."""
+    directory = tmp_path / "model"
+    shutil.copytree(llama[0], directory)
+    with checkpoint_module.TensorSource(directory) as tensors:
+        name = max(tensors.names, key=lambda n: np.prod(tensors.shape(n)))
+        rows = tensors.shape(name)[0]
+        np.testing.assert_array_equal(tensors.map_rows(name, 0, rows), tensors.read_rows(name, 0, rows))
+        with open(directory / "model.safetensors", "r+b") as file:
+            file.truncate(8 + int.from_bytes(file.read(8), "little"))  # the header, no data
+        with pytest.raises(PretrainedError) as error:
+            tensors.map_rows(name, 0, rows)
+    assert _one_line(error).endswith(f"tensor {name!r} cannot be read (the file ends early)")
 
 
 def test_strided_views_from_a_family_load_the_same(llama, loaded, monkeypatch):
@@ -263,9 +316,9 @@ def test_live_arrays_stay_near_the_model_size(llama, monkeypatch):
         device = sum(a.nbytes for a in jax.live_arrays() if id(a) not in baseline)
         return device + sum(ref().nbytes for ref in alive if ref() is not None)
 
-    def read_slice(self, name, index):
+    def read_slice(self, name, index, **options):
         peaks.append(live_bytes())
-        value = read(self, name, index)
+        value = read(self, name, index, **options)
         alive.append(weakref.ref(value))
         peaks.append(live_bytes())
         return value

@@ -189,6 +189,7 @@ def check_every_parameter_has_the_documented_sharding(mesh_results):
     for name in CASES:
         for data, model in MESHES:
             placement = mesh_results[name][f"{data}x{model}"]["placement"]
+            assert mesh_results[name][f"{data}x{model}"]["params_equal"], (name, data, model)
             for path, leaf in placement.items():
                 assert leaf["spec"] == documented_spec(path, leaf["shape"], data, model), (name, path, leaf)
                 split += bool(leaf["spec"])

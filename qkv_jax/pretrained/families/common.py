@@ -284,13 +284,14 @@ class StoredTensor:
         """The linen shape (from the file's header; nothing is read)."""
         return tuple(LINEN_SHAPES[self.layout](tuple(self.tensors.shape(self.name)), self.heads))
 
-    def stored_block(self, index: tuple[slice, ...]) -> tuple[np.ndarray, int]:
+    def stored_block(self, index: tuple[slice, ...], *, mapped: bool = False) -> tuple[np.ndarray, int]:
         """(the stored tensor's slice holding the linen block `index` (slices with start and
-        stop), its heads) for `LAYOUTS[layout].load`; a heads layout's block holds whole heads."""
+        stop), its heads) for `LAYOUTS[layout].load`; a heads layout's block holds whole heads.
+        `mapped`: a read-only view of the file's mapping, for a caller that copies it at once."""
         shape, layout = self.shape, self.layout
         if layout in ("copy", "conv1d", "linear"):
             stored = index[::-1] if layout == "linear" else index
-            return self.tensors.read_slice(self.name, stored), self.heads
+            return self.tensors.read_slice(self.name, stored, mapped=mapped), self.heads
         heads_axis, width_axis = (1, 2) if layout == "heads_in" else (0, 1)
         heads, within, width = index[heads_axis], index[width_axis], shape[width_axis]
         if (within.start, within.stop) != (0, width):
@@ -302,7 +303,7 @@ class StoredTensor:
             "heads_out": lambda: (index[2], rows),
             "conv1d_heads_out": lambda: (rows, index[2]),
         }[layout]()
-        return self.tensors.read_slice(self.name, stored), heads.stop - heads.start
+        return self.tensors.read_slice(self.name, stored, mapped=mapped), heads.stop - heads.start
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         block, heads = self.stored_block(tuple(slice(0, size) for size in self.shape))
