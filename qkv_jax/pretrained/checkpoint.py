@@ -281,8 +281,9 @@ class TensorSource:
     def map_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` of tensor `name` as a read-only view of a mapping of its file: nothing
         is copied, the pages are read when first touched, and the mapping ends with the view (no
-        mapped file stays resident). A file shorter than its header says is refused here, before
-        a page past its end could be touched."""
+        mapped file stays resident); where the file system cannot map it, the rows are read
+        (`read_rows`). A file shorter than its header says is refused here, before a page past
+        its end could be touched."""
         path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
         row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
         offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
@@ -293,7 +294,12 @@ class TensorSource:
             if nbytes == 0:
                 return np.empty(shape, dtype)
             begin = offset - offset % mmap.ALLOCATIONGRANULARITY
-            mapping = mmap.mmap(file.fileno(), offset + nbytes - begin, offset=begin, access=mmap.ACCESS_READ)
+            try:
+                mapping = mmap.mmap(
+                    file.fileno(), offset + nbytes - begin, offset=begin, access=mmap.ACCESS_READ
+                )
+            except OSError:  # a file system that cannot map files (some network ones): a copy
+                return self.read_rows(name, start, stop)
         if hasattr(mmap, "MADV_WILLNEED"):  # from a cold cache: read ahead, not page by page
             mapping.madvise(mmap.MADV_WILLNEED)
         return np.frombuffer(mapping, dtype, nbytes // dtype.itemsize, offset - begin).reshape(shape)

@@ -263,6 +263,16 @@ def test_transposed_layouts_on_a_cpu_are_copied_on_the_host(llama, loaded, monke
     assert copied == []
 
 
+def test_a_file_system_that_cannot_map_files_loads_the_same(llama, loaded, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what mmap gives where the file system has no mmap
+
+    monkeypatch.setattr(checkpoint_module.mmap, "mmap", refuse)
+    _, params = load_pretrained(llama[0])
+    for ours, reference in zip(jax.tree.leaves(params), jax.tree.leaves(loaded[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(reference))
+
+
 def test_a_file_cut_short_after_it_was_opened_is_refused_before_it_is_mapped(tmp_path, llama):
     """A file shorter than its header says is refused in one line, never mapped past its end
     (touching such a page would kill the process)."""
