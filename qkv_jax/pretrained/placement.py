@@ -34,7 +34,7 @@ from qkv_jax import sharding as rules
 from qkv_jax.pretrained.checkpoint import aligned_buffer
 from qkv_jax.pretrained.families.common import LAYOUTS, LINEN_SHAPES, StoredTensor
 
-__all__ = ["sharding_of", "place", "ON_DEVICE_BYTES", "HOST_TRANSPOSES"]
+__all__ = ["sharding_of", "place", "transposed", "ON_DEVICE_BYTES", "HOST_TRANSPOSES"]
 
 # Blocks of at least this many bytes are converted on their device (one small compiled program
 # per tensor shape); smaller ones by numpy, on the host.
@@ -82,13 +82,14 @@ def transposed(matrix: np.ndarray) -> np.ndarray:
 
 
 def _on_host(value: Any, sharding: Sharding, dtype: np.dtype) -> bool:
-    """Whether `value`'s blocks are transposed on the host (`HOST_TRANSPOSES`): a stored tensor
+    """Whether `value`'s blocks are transposed on the host (`HOST_TRANSPOSES`): a stored matrix
     whose layout transposes it, kept in its dtype, for CPU devices only."""
     devices: list[jax.Device] = list(sharding.device_set)
     return (
         HOST_TRANSPOSES
         and isinstance(value, StoredTensor)
         and value.layout in TRANSPOSING
+        and len(value.tensors.shape(value.name)) == 2
         and value.tensors.dtype(value.name) == dtype
         and all(device.platform == "cpu" for device in devices)
     )
