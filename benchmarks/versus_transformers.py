@@ -406,6 +406,7 @@ BUILDERS = {
 def measure(part: str, case: str, directory: str, count: int, steps: int) -> dict:
     """In this (fresh) process: imports, the baseline, load, first call, `steps` timed calls."""
     library = "transformers" if case == "transformers" else "qkv_jax"
+    compiles: list[str] = []
     if library == "qkv_jax":
         import jax
 
@@ -414,6 +415,9 @@ def measure(part: str, case: str, directory: str, count: int, steps: int) -> dic
 
         jax.devices()  # the CPU client exists before the baseline
         threads = {"xla_cpu_devices": len(jax.devices()), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+        jax.monitoring.register_event_duration_secs_listener(  # XLA compiles, counted
+            lambda event, *_, **__: compiles.append(event) if event == COMPILE_EVENT else None
+        )
     else:
         import transformers  # noqa: F401
         from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
@@ -436,13 +440,14 @@ def measure(part: str, case: str, directory: str, count: int, steps: int) -> dic
     load_peak = status_bytes("VmHWM")
     settle()
     reset_peak()
-    times, info = [], first
+    times, info, compiled_before = [], first, len(compiles)
     for _ in range(steps):
         settle()  # one call's peak: the previous call's arrays released first
         started = time.perf_counter()
         info = call()
         times.append(time.perf_counter() - started)
     steps_peak = status_bytes("VmHWM")
+    compiled_in_steps = len(compiles) - compiled_before  # a timed call that compiled is no steady call
     plain_times = []
     if plain is not None:  # (generation has no plain call)
         plain()  # (qkv_jax: compiled here)
@@ -452,6 +457,7 @@ def measure(part: str, case: str, directory: str, count: int, steps: int) -> dic
             plain_times.append(time.perf_counter() - started)
     return {
         "plain_seconds": statistics.median(plain_times) if plain_times else None,
+        "compiles_in_timed_calls": compiled_in_steps,
         "seconds": statistics.median(times),
         "times": times,
         "first_call_seconds": first_seconds,
@@ -480,6 +486,10 @@ def environment(case: str) -> dict:
         preload = os.environ.get("LD_PRELOAD", "")
         return {"LD_PRELOAD": f"{TCMALLOC} {preload}".strip()}
     return {}
+
+
+# jax's monitoring event for one XLA compile (jax._src.dispatch.BACKEND_COMPILE_EVENT)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -659,7 +669,9 @@ def report(part: str, args, runs: dict[str, list[dict]], agreement: dict, load: 
         f"torch.set_num_threads({threads['torch_num_threads']}) "
         f"(interop {threads['torch_num_interop_threads']}), qkv_jax XLA's default (one thread per core, "
         f"{os.cpu_count()} cores, XLA_FLAGS empty). Load average (1, 5, 15 min) {before} before and "
-        f"{after} after; other work shared the machine, so times are noisy.",
+        f"{after} after; other work shared the machine, so times are noisy. XLA compiles during "
+        f"qkv_jax's timed calls: {sum(r.get('compiles_in_timed_calls', 0) for r in runs['qkv_jax'])} "
+        "(each program compiles in the first call).",
         "",
         f"| case | time per call (s) | first call (s) | {plain} | peak during the timed calls (GiB) "
         f"| peak of the whole process (GiB) | {extra[0]} |",

@@ -431,11 +431,15 @@ def compiled_decode(model: Any, params: Any, inputs: Inputs, *, top_k: int | Non
     prompt tokens) compiled as one program in 5.7 s; as these two, 4.9 s one after the other
     and 3.9 s side by side on 2 cores. `static`: prefill, out_width, cache_length."""
     device = _one_device(params)
-    signature = _signature(model, params, inputs, device, top_k, static)
+    # the prefill's outputs are committed to the params' device where the params are (jax
+    # compiles a program for committed and uncommitted inputs apart)
+    committed = any(getattr(leaf, "committed", False) for leaf in jax.tree.leaves(params))
+    signature = _signature(model, params, inputs, (device, committed), top_k, static)
     if device is not None and signature not in _PRECOMPILED:  # else each compiled on first use
         starting = _compiled_start.lower(model, params, inputs, mesh=mesh, **static)
-        state = jax.tree.map(  # the prefill's outputs as the call will pass them: on params' device
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device, weak_type=s.weak_type),
+        where = device if committed else None
+        state = jax.tree.map(  # the prefill's outputs as the call will pass them
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where, weak_type=s.weak_type),
             starting.out_info,
         )
         finishing = _compiled_finish.lower(model, params, state, inputs, top_k=top_k)

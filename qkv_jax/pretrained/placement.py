@@ -52,7 +52,7 @@ TILE = (64, 512)
 
 def sharding_of(path: str, shape: tuple[int, ...], mesh: Mesh | None) -> Sharding:
     """The parameter at `path` ("block_0/mlp_in/kernel") on `mesh` by `qkv_jax.sharding`'s
-    rules; the default device without a mesh."""
+    rules; the default device without a mesh (where `place` leaves the array uncommitted)."""
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
     return NamedSharding(mesh, rules.partition_spec(path, shape, dict(mesh.shape)))
@@ -162,7 +162,10 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
             convert = (layout, heads)
             block = block[None] if on_mesh else block  # (1, *block): its row of the stack
         for device in devices:  # a CPU keeps an aligned block without a copy
-            arrays.append(jax.device_put(block, device, may_alias=True))
+            # without a mesh: uncommitted, on the default device, as jnp's arrays and a model's
+            # init are. Committed params make a jitted step's outputs committed, and a step fed
+            # its own outputs (optimizer state, adapters) then compiled a second time.
+            arrays.append(jax.device_put(block, device if on_mesh else None, may_alias=True))
         del block  # the transfers hold it until they are done
     if convert is not None and isinstance(sharding, NamedSharding):
         every = NamedSharding(sharding.mesh, P(tuple(sharding.mesh.axis_names)))

@@ -184,9 +184,13 @@ def test_another_prompt_length_in_the_bucket_compiles_nothing():
     built = build("qwen2")
     greedy = functools.partial(generation.generate, built.model, built.params, temperature=0.0)
     programs = (generation._compiled_start, generation._compiled_finish)  # the prefill and the loop
+    before = [program._cache_size() for program in programs]
     greedy(np.ones((2, 17), np.int32), 5)
     compiled = [program._cache_size() for program in programs]
+    # each compiled at most once (not at all where another test compiled this signature), and
+    # the first call's own compile is the one the call uses
     assert compiled[0] >= 1 and compiled[1] >= 1
+    assert compiled[0] - before[0] <= 1 and compiled[1] - before[1] <= 1
     greedy(np.ones((2, 20), np.int32), 6)  # prompt width 32, output 16, prefill 16, batch 2: one bucket
     greedy([np.ones(18, np.int32), np.ones(30, np.int32)], 7)
     assert [program._cache_size() for program in programs] == compiled

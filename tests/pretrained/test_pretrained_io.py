@@ -263,6 +263,17 @@ def test_transposed_layouts_on_a_cpu_are_copied_on_the_host(llama, loaded, monke
     assert copied == []
 
 
+def test_one_device_params_are_uncommitted_so_a_step_fed_its_own_outputs_compiles_once(llama):
+    """As jnp's arrays and a model's init are: committed params made a jitted step's outputs
+    committed, and the step, fed them back (its optimizer state, adapters), compiled again."""
+    _, params = load_pretrained(llama[0])
+    assert not any(leaf.committed for leaf in jax.tree.leaves(params))
+    step = jax.jit(lambda state, frozen: state + jax.tree.leaves(frozen)[0].sum())
+    state = step(jnp.zeros(3), params)
+    state = step(state, params)
+    assert step._cache_size() == 1
+
+
 def test_a_file_system_that_cannot_map_files_loads_the_same(llama, loaded, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(19, "No such device")  # what mmap gives where the file system has no mmap
