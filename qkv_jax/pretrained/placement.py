@@ -52,7 +52,7 @@ TILE = (64, 512)
 
 def sharding_of(path: str, shape: tuple[int, ...], mesh: Mesh | None) -> Sharding:
     """The parameter at `path` ("block_0/mlp_in/kernel") on `mesh` by `qkv_jax.sharding`'s
-    rules; the default device without a mesh (where `place` leaves the array uncommitted)."""
+    rules; without a mesh, the first device (where `place` leaves the array uncommitted)."""
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
     return NamedSharding(mesh, rules.partition_spec(path, shape, dict(mesh.shape)))
