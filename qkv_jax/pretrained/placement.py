@@ -14,10 +14,12 @@
 Converting on the device replaced numpy's copies of whole transposed arrays (about 0.1 s for a
 bfloat16 [8192, 2048] matrix here), which were most of a one-device load's time. On CPU devices
 the device is the host, and that path writes new memory twice: the read into a buffer, then
-XLA's output. So there a block that is only transposed (its dtype kept) is copied once, in
-tiles, from a mapping of the file into the buffer the device keeps: Llama 3.2 1B's shape in
-bfloat16 (`benchmarks/pretrained_load.py`, 3 rounds) loaded in 1.70 s against 2.44 s, and onto
-a (2, 4) mesh of two processes in 2.11 s against 4.16 s.
+XLA's output. So there a block that is only transposed (its dtype kept, or bfloat16 widened to
+float32) is copied once, in tiles, from a mapping of the file into the buffer the device keeps:
+Llama 3.2 1B's shape in bfloat16 (`benchmarks/pretrained_load.py`, 3 rounds) loaded in 1.70 s
+against 2.44 s, and onto a (2, 4) mesh of two processes in 2.11 s against 4.16 s; Qwen2.5-0.5B's
+shape in bfloat16, loaded as float32, in 1.51 to 1.54 s against 1.69 to 1.78 s with the widening
+left to XLA (four loads each, alternating).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import functools
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from qkv_jax import sharding as rules
-from qkv_jax.pretrained.checkpoint import aligned_buffer
+from qkv_jax.pretrained.checkpoint import DTYPES, aligned_buffer
 from qkv_jax.pretrained.families.common import LAYOUTS, LINEN_SHAPES, StoredTensor
 
 __all__ = ["sharding_of", "place", "transposed", "ON_DEVICE_BYTES", "HOST_TRANSPOSES"]
@@ -39,10 +42,16 @@ __all__ = ["sharding_of", "place", "transposed", "ON_DEVICE_BYTES", "HOST_TRANSP
 # Blocks of at least this many bytes are converted on their device (one small compiled program
 # per tensor shape); smaller ones by numpy, on the host.
 ON_DEVICE_BYTES = 1 << 20
-# On CPU devices, blocks of the layouts that transpose them, read in the dtype they are stored
-# in, are transposed on the host in tiles (`transposed`) from a mapping of the file.
+# On CPU devices, blocks of the layouts that transpose them are transposed on the host in tiles
+# (`transposed`) from a mapping of the file, where the dtype stays or widens (`HOST_CONVERSIONS`).
 HOST_TRANSPOSES = True
 TRANSPOSING = frozenset({"linear", "heads_in", "heads_out"})
+# (stored dtype, loaded dtype) that the host's copies convert: any dtype kept, and bfloat16
+# widened to float32 (other casts round, and XLA does them on the device).
+HOST_CONVERSIONS = frozenset(
+    {(np.dtype(kind), np.dtype(kind)) for kind in DTYPES.values()}
+    | {(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))}
+)
 # (rows, columns) of the source a tiled copy moves at a time. A bfloat16 [8192, 2048] matrix
 # copied as uint16 into memory already written (best of 5, two runs): 64 x 512 16.7 and 18.8 ms,
 # 128 x 512 18.3 and 18.4 ms, 128 x 128 20.5 and 21.6 ms, 64 x 64 33.8 and 37.4 ms; numpy's copy
@@ -65,40 +74,56 @@ def _convert(block: jax.Array, layout: str, heads: int, dtype: Any) -> jax.Array
     return load(block, heads).astype(dtype)
 
 
-def transposed(matrix: np.ndarray) -> np.ndarray:
-    """`matrix.T`, contiguous, in memory XLA's CPU client keeps without a copy; copied in `TILE`s
-    so that both sides are read and written a cache line at a time. The elements move as
-    unsigned integers of their size: ml_dtypes' bfloat16 copies more slowly than uint16."""
+def transposed(matrix: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """`matrix.T` in `dtype` (None: its own; float32 from bfloat16, a widening), contiguous, in
+    memory XLA's CPU client keeps without a copy; copied in `TILE`s so that both sides are read
+    and written a cache line at a time. The elements move as unsigned integers of their size
+    (ml_dtypes' bfloat16 copies more slowly than uint16), and a bfloat16 becomes the float32 of
+    the same value by moving its 16 bits to the top of 32 (exact, NaNs and infinities kept)."""
+    dtype = np.dtype(matrix.dtype if dtype is None else dtype)
     rows, columns = matrix.shape
-    result = aligned_buffer(matrix.nbytes).view(matrix.dtype).reshape(columns, rows)
-    bits = np.dtype(f"u{matrix.dtype.itemsize}") if matrix.dtype.itemsize in (1, 2, 4, 8) else matrix.dtype
-    source, target = matrix.view(bits), result.view(bits)
+    widen = dtype != matrix.dtype
+    if widen and not (matrix.dtype == np.dtype(ml_dtypes.bfloat16) and dtype == np.float32):
+        raise ValueError(f"transposed: {matrix.dtype} -> {dtype} is not a widening it copies")
+    result = aligned_buffer(rows * columns * dtype.itemsize).view(dtype).reshape(columns, rows)
+    source, target = _bits(matrix), _bits(result)
     step_rows, step_columns = TILE
     for column in range(0, columns, step_columns):
         for row in range(0, rows, step_rows):
             stop_row, stop_column = row + step_rows, column + step_columns
-            target[column:stop_column, row:stop_row] = source[row:stop_row, column:stop_column].T
+            tile = source[row:stop_row, column:stop_column].T
+            if widen:
+                np.left_shift(tile, 16, out=target[column:stop_column, row:stop_row], dtype=np.uint32)
+            else:
+                target[column:stop_column, row:stop_row] = tile
     return result
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """`array` viewed as unsigned integers of its element size (itself where numpy has none)."""
+    size = array.dtype.itemsize
+    return array.view(np.dtype(f"u{size}")) if size in (1, 2, 4, 8) else array
 
 
 def _on_host(value: Any, sharding: Sharding, dtype: np.dtype) -> bool:
     """Whether `value`'s blocks are transposed on the host (`HOST_TRANSPOSES`): a stored matrix
-    whose layout transposes it, kept in its dtype, for CPU devices only."""
+    whose layout transposes it, kept in its dtype or widened (`HOST_CONVERSIONS`), for CPU
+    devices only."""
     devices: list[jax.Device] = list(sharding.device_set)
     return (
         HOST_TRANSPOSES
         and isinstance(value, StoredTensor)
         and value.layout in TRANSPOSING
         and len(value.tensors.shape(value.name)) == 2
-        and value.tensors.dtype(value.name) == dtype
+        and (value.tensors.dtype(value.name), dtype) in HOST_CONVERSIONS
         and all(device.platform == "cpu" for device in devices)
     )
 
 
-def _host_block(value: StoredTensor, index: tuple[slice, ...]) -> np.ndarray:
-    """The linen block `index` of `value`, transposed on the host from the mapped file."""
+def _host_block(value: StoredTensor, index: tuple[slice, ...], dtype: np.dtype) -> np.ndarray:
+    """The linen block `index` of `value` in `dtype`, transposed on the host from the mapped file."""
     stored, heads = value.stored_block(index, mapped=True)
-    return transposed(stored).reshape(LINEN_SHAPES[value.layout](stored.shape, heads))
+    return transposed(stored, dtype).reshape(LINEN_SHAPES[value.layout](stored.shape, heads))
 
 
 def _read(value: Any, index: tuple[slice, ...]) -> tuple[np.ndarray, str, int]:
@@ -154,7 +179,7 @@ def place(value: Any, sharding: Sharding, dtype: np.dtype) -> jax.Array:
     host = _on_host(value, sharding, np.dtype(dtype))
     for bounds, devices in _blocks(shape, sharding).items():
         index = tuple(slice(start, stop) for start, stop in bounds)
-        block, layout, heads = (_host_block(value, index), "copy", 0) if host else _read(value, index)
+        block, layout, heads = (_host_block(value, index, dtype), "copy", 0) if host else _read(value, index)
         if block.nbytes < ON_DEVICE_BYTES and not host:  # small: numpy's copy costs less than compiling
             block = np.ascontiguousarray(LAYOUTS[layout].load(block, heads)).astype(dtype, copy=False)
             layout = "copy"

@@ -243,6 +243,21 @@ def test_tiled_transposed_copies_equal_numpy_transposes(dtype):
             np.testing.assert_array_equal(result, view.T)
 
 
+def test_tiled_transposed_copies_widen_bfloat16_to_float32_exactly():
+    """bfloat16 -> float32 (its bits moved up) equals numpy's cast, infinities and NaNs kept;
+    a cast that rounds is refused (the device does those)."""
+    from qkv_jax.pretrained.placement import transposed
+
+    matrix = (np.random.default_rng(1).standard_normal((130, 1030)) * 1e3).astype(ml_dtypes.bfloat16)
+    matrix[0, :3] = [np.inf, -np.inf, np.nan]
+    for view in (matrix, matrix[:, 5:-7]):
+        result = transposed(view, np.float32)
+        assert result.dtype == np.float32 and result.flags.c_contiguous
+        np.testing.assert_array_equal(result, view.T.astype(np.float32))  # NaNs equal in place
+    with pytest.raises(ValueError, match="float32 -> bfloat16 is not a widening"):
+        transposed(matrix.astype(np.float32), ml_dtypes.bfloat16)
+
+
 def test_transposed_layouts_on_a_cpu_are_copied_on_the_host(llama, loaded, monkeypatch):
     """On a CPU, the kernels that a layout transposes are copied in tiles on the host, from the
     mapped file (the same params as the devices' path); a cast takes the devices' path."""
@@ -250,7 +265,9 @@ def test_transposed_layouts_on_a_cpu_are_copied_on_the_host(llama, loaded, monke
 
     copied = []
     tiled = placement.transposed
-    monkeypatch.setattr(placement, "transposed", lambda matrix: copied.append(matrix.shape) or tiled(matrix))
+    monkeypatch.setattr(
+        placement, "transposed", lambda matrix, dtype: copied.append(matrix.shape) or tiled(matrix, dtype)
+    )
     _, params = load_pretrained(llama[0])
     leaves = jax.tree_util.tree_leaves_with_path(params)
     kernels = [leaf for path, leaf in leaves if "kernel" in jax.tree_util.keystr(path)]
