@@ -265,9 +265,7 @@ class TensorSource:
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` of tensor `name` (a 0-d tensor: 0, 1), read with `os.preadv` into a
         64-byte-aligned buffer (so `jax.device_put(..., may_alias=True)` can keep it on a CPU)."""
-        path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
-        row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
-        offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
+        path, dtype, offset, nbytes, shape = self._rows(name, start, stop)
         block = aligned_buffer(nbytes)
         with open(path, "rb", buffering=0) as file:
             done = 0
@@ -276,7 +274,7 @@ class TensorSource:
                 if read <= 0:
                     raise PretrainedError(f"{path}: tensor {name!r} cannot be read (the file ends early)")
                 done += read
-        return block.view(dtype).reshape((stop - start, *stored[1:]) if stored else ())
+        return block.view(dtype).reshape(shape)
 
     def map_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` of tensor `name` as a read-only view of a mapping of its file: nothing
@@ -284,10 +282,7 @@ class TensorSource:
         mapped file stays resident); where the file system cannot map it, the rows are read
         (`read_rows`). A file shorter than its header says is refused here, before a page past
         its end could be touched."""
-        path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
-        row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
-        offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
-        shape = (stop - start, *stored[1:])
+        path, dtype, offset, nbytes, shape = self._rows(name, start, stop)
         with open(path, "rb") as file:
             if os.fstat(file.fileno()).st_size < offset + nbytes:
                 raise PretrainedError(f"{path}: tensor {name!r} cannot be read (the file ends early)")
@@ -303,6 +298,14 @@ class TensorSource:
         if hasattr(mmap, "MADV_WILLNEED"):  # from a cold cache: read ahead, not page by page
             mapping.madvise(mmap.MADV_WILLNEED)
         return np.frombuffer(mapping, dtype, nbytes // dtype.itemsize, offset - begin).reshape(shape)
+
+    def _rows(self, name: str, start: int, stop: int) -> tuple[pathlib.Path, np.dtype, int, int, tuple]:
+        """(file, dtype, byte offset, byte count, shape) of rows `start:stop` of tensor `name` (a 0-d
+        tensor: rows 0:1, shape ())."""
+        path, stored, dtype = self._where(name), self.shape(name), self.dtype(name)
+        row_bytes = int(np.prod(stored[1:], dtype=np.int64)) * dtype.itemsize
+        offset, nbytes = self._data_offset(path, name) + start * row_bytes, (stop - start) * row_bytes
+        return path, dtype, offset, nbytes, (stop - start, *stored[1:]) if stored else ()
 
     def _data_offset(self, path: pathlib.Path, name: str) -> int:
         """Where tensor `name`'s bytes begin in `path` (from its header)."""

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from qkv_jax import sharding as rules
-from qkv_jax.pretrained.checkpoint import DTYPES, aligned_buffer
+from qkv_jax.pretrained.checkpoint import aligned_buffer
 from qkv_jax.pretrained.families.common import LAYOUTS, LINEN_SHAPES, StoredTensor
 
 __all__ = ["sharding_of", "place", "transposed", "ON_DEVICE_BYTES", "HOST_TRANSPOSES"]
@@ -43,15 +43,12 @@ __all__ = ["sharding_of", "place", "transposed", "ON_DEVICE_BYTES", "HOST_TRANSP
 # per tensor shape); smaller ones by numpy, on the host.
 ON_DEVICE_BYTES = 1 << 20
 # On CPU devices, blocks of the layouts that transpose them are transposed on the host in tiles
-# (`transposed`) from a mapping of the file, where the dtype stays or widens (`HOST_CONVERSIONS`).
+# (`transposed`) from a mapping of the file, where the dtype stays or widens (`WIDENINGS`).
 HOST_TRANSPOSES = True
 TRANSPOSING = frozenset({"linear", "heads_in", "heads_out"})
-# (stored dtype, loaded dtype) that the host's copies convert: any dtype kept, and bfloat16
-# widened to float32 (other casts round, and XLA does them on the device).
-HOST_CONVERSIONS = frozenset(
-    {(np.dtype(kind), np.dtype(kind)) for kind in DTYPES.values()}
-    | {(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))}
-)
+# (stored dtype, loaded dtype) that the host's copies widen, besides keeping any dtype: bfloat16
+# to float32, exact (other casts round, and XLA does them on the device).
+WIDENINGS = frozenset({(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})
 # (rows, columns) of the source a tiled copy moves at a time. A bfloat16 [8192, 2048] matrix
 # copied as uint16 into memory already written (best of 5, two runs): 64 x 512 16.7 and 18.8 ms,
 # 128 x 512 18.3 and 18.4 ms, 128 x 128 20.5 and 21.6 ms, 64 x 64 33.8 and 37.4 ms; numpy's copy
@@ -83,7 +80,7 @@ def transposed(matrix: np.ndarray, dtype: Any = None) -> np.ndarray:
     dtype = np.dtype(matrix.dtype if dtype is None else dtype)
     rows, columns = matrix.shape
     widen = dtype != matrix.dtype
-    if widen and not (matrix.dtype == np.dtype(ml_dtypes.bfloat16) and dtype == np.float32):
+    if not _copies(matrix.dtype, dtype):
         raise ValueError(f"transposed: {matrix.dtype} -> {dtype} is not a widening it copies")
     result = aligned_buffer(rows * columns * dtype.itemsize).view(dtype).reshape(columns, rows)
     source, target = _bits(matrix), _bits(result)
@@ -99,6 +96,11 @@ def transposed(matrix: np.ndarray, dtype: Any = None) -> np.ndarray:
     return result
 
 
+def _copies(stored: np.dtype, dtype: np.dtype) -> bool:
+    """Whether the host's copies turn `stored` into `dtype`: kept, or widened (`WIDENINGS`)."""
+    return stored == dtype or (stored, dtype) in WIDENINGS
+
+
 def _bits(array: np.ndarray) -> np.ndarray:
     """`array` viewed as unsigned integers of its element size (itself where numpy has none)."""
     size = array.dtype.itemsize
@@ -107,7 +109,7 @@ def _bits(array: np.ndarray) -> np.ndarray:
 
 def _on_host(value: Any, sharding: Sharding, dtype: np.dtype) -> bool:
     """Whether `value`'s blocks are transposed on the host (`HOST_TRANSPOSES`): a stored matrix
-    whose layout transposes it, kept in its dtype or widened (`HOST_CONVERSIONS`), for CPU
+    whose layout transposes it, kept in its dtype or widened (`WIDENINGS`), for CPU
     devices only."""
     devices: list[jax.Device] = list(sharding.device_set)
     return (
@@ -115,7 +117,7 @@ def _on_host(value: Any, sharding: Sharding, dtype: np.dtype) -> bool:
         and isinstance(value, StoredTensor)
         and value.layout in TRANSPOSING
         and len(value.tensors.shape(value.name)) == 2
-        and (value.tensors.dtype(value.name), dtype) in HOST_CONVERSIONS
+        and _copies(value.tensors.dtype(value.name), dtype)
         and all(device.platform == "cpu" for device in devices)
     )
 
